@@ -1,0 +1,68 @@
+"""``fluidpd generate``: the single-process ground truth (no bus, no transfer)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from shared.errors import FluidPDError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fluidpd generate", description=__doc__)
+    p.add_argument("--model", default="smollm2-135m", help="tiny | smollm2-135m | PATH")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except FluidPDError as exc:
+        print(f"fluidpd generate: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+    from shared.engine.generate import generate
+    from shared.sampling_params import SamplingParams
+    from shared.stop_strings import apply_stop_strings
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    engine = Engine.load(EngineConfig(model=args.model, num_threads=args.threads))
+    tok = engine.tokenizer
+    if args.chat:
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        text = args.prompt
+    prompt_ids = tok.encode(text)
+    out = generate(engine, [prompt_ids], params)[0]
+    token_ids, text_out, _ = apply_stop_strings(tok, out.token_ids, params.stop)
+    if args.json:
+        print(json.dumps({"token_ids": token_ids, "text": text_out,
+                          "finish_reason": out.finish_reason}))
+    else:
+        print(text_out)
+    return 0

@@ -1,0 +1,129 @@
+"""Paged attention backends.
+
+``TorchPagedAttention`` (CPU, or any device): writes the new tokens' K/V into the arena, then
+gathers each sequence's context through its block table and runs SDPA. Pure decode batches
+are gathered once into a padded ``[B, max_ctx]`` tensor and run as one SDPA call; batches
+with prompt chunks run one SDPA per sequence with a causal mask offset by the cached context
+(so a chunked prefill on top of existing KV sees exactly what an unsplit prefill sees).
+
+``FlashInferPagedAttention`` (CUDA) lives in flashinfer_backend.py and is chosen by
+``make_attention`` when CUDA and flashinfer are both available.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from shared.engine.batch import ForwardBatch
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens); kv_layer: [blocks, 2, bs, Hkv, D].
+
+        Mutates kv_layer (writes the new K/V). Returns attention output [T, Hq, D].
+        """
+        ...
+
+
+def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
+    """Store the new tokens' K/V at their (block, offset) slots. Mutates ``kv_layer``."""
+    kv_layer[batch.slot_blocks, 0, batch.slot_offsets] = k
+    kv_layer[batch.slot_blocks, 1, batch.slot_offsets] = v
+
+
+class TorchPagedAttention:
+    name = "torch"
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_layer: torch.Tensor,
+        batch: ForwardBatch,
+    ) -> torch.Tensor:
+        write_kv(kv_layer, k, v, batch)
+        if batch.all_decode and len(batch.spans) > 1:
+            return self._decode_batched(q, kv_layer, batch)
+        out = torch.empty_like(q)
+        for span in batch.spans:
+            keys, values = _gather(kv_layer, span.block_table, span.context_len)
+            qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # [Hq, q, D]
+            mask = None
+            if span.q_len > 1:
+                # Query i sits at absolute position ctx - q_len + i and sees keys <= it.
+                q_pos = torch.arange(span.context_len - span.q_len, span.context_len)
+                mask = q_pos[:, None] >= torch.arange(span.context_len)[None, :]
+                mask = mask.to(q.device)
+            o = F.scaled_dot_product_attention(
+                qs, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True
+            )
+            out[span.q_start : span.q_start + span.q_len] = o.transpose(0, 1)
+        return out
+
+    def _decode_batched(
+        self, q: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch
+    ) -> torch.Tensor:
+        block_size = kv_layer.shape[2]
+        max_blocks = max(int(s.block_table.shape[0]) for s in batch.spans)
+        num_seqs = len(batch.spans)
+        tables = torch.zeros((num_seqs, max_blocks), dtype=torch.long, device=q.device)
+        lens = torch.empty(num_seqs, dtype=torch.long, device=q.device)
+        for i, span in enumerate(batch.spans):
+            tables[i, : span.block_table.shape[0]] = span.block_table
+            lens[i] = span.context_len
+        gathered = kv_layer[tables]  # [B, max_blocks, 2, bs, Hkv, D]
+        b, nb, _, bs, hkv, d = gathered.shape
+        keys = gathered[:, :, 0].reshape(b, nb * bs, hkv, d).transpose(1, 2)
+        values = gathered[:, :, 1].reshape(b, nb * bs, hkv, d).transpose(1, 2)
+        mask = torch.arange(nb * block_size, device=q.device)[None, :] < lens[:, None]
+        qs = q.unsqueeze(2)  # [B, Hq, 1, D]
+        o = F.scaled_dot_product_attention(
+            qs, keys, values, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True
+        )
+        return o.squeeze(2)
+
+
+def _gather(
+    kv_layer: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous K and V ``[Hkv, context_len, D]`` of one sequence."""
+    blocks = kv_layer[block_table]  # [nb, 2, bs, Hkv, D]
+    nb, _, bs, hkv, d = blocks.shape
+    keys = blocks[:, 0].reshape(nb * bs, hkv, d)[:context_len].transpose(0, 1)
+    values = blocks[:, 1].reshape(nb * bs, hkv, d)[:context_len].transpose(0, 1)
+    return keys, values
+
+
+def make_attention(backend: str, device: torch.device, scale: float) -> AttentionBackend:
+    """Pick the attention backend: ``auto`` = FlashInfer on CUDA when importable, else torch.
+
+    Raises ValueError if ``flashinfer`` is asked for and cannot be used.
+    """
+    if backend in ("auto", "flashinfer") and device.type == "cuda":
+        try:
+            from shared.engine.flashinfer_backend import FlashInferPagedAttention
+        except ImportError:
+            if backend == "flashinfer":
+                raise ValueError("attention_backend=flashinfer but flashinfer is not installed") from None
+        else:
+            return FlashInferPagedAttention(scale, device)
+    if backend == "flashinfer":
+        raise ValueError("attention_backend=flashinfer needs a CUDA device")
+    return TorchPagedAttention(scale)

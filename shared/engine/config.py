@@ -1,0 +1,103 @@
+"""Model architecture config (read from model files) and engine config (chosen by the operator)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder. Immutable; derived from the model files.
+
+    ``architecture`` is one of SUPPORTED_ARCHITECTURES. ``qkv_bias`` is Qwen2's bias on the
+    q/k/v projections; ``qk_norm`` is Qwen3's per-head RMSNorm on q and k.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config field {name} must be > 0")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def digest(self) -> str:
+        """Stable hash of every architecture field (part of the KV fingerprint)."""
+        blob = json.dumps(asdict(self), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the operator chooses for one engine instance. Validated on construction.
+
+    ``num_kv_blocks`` = 0 means: size the arena from ``kv_cache_bytes``.
+    """
+
+    model: str = "tiny"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    max_num_seqs: int = 64
+    max_model_len: int = 0  # 0: the model's own limit
+    num_threads: int = 0  # 0: leave torch's default
+    kv_zero_on_free: bool = False
+    attention_backend: str = "auto"  # auto | torch | flashinfer
+    seed: int = 0
+    extra: tuple[tuple[str, Any], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.num_kv_blocks < 0 or self.kv_cache_bytes <= 0:
+            raise ValueError("num_kv_blocks must be >= 0 and kv_cache_bytes > 0")
+        if self.max_num_seqs <= 0:
+            raise ValueError("max_num_seqs must be > 0")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(f"attention_backend must be auto|torch|flashinfer, got {self.attention_backend!r}")
+        if self.num_threads < 0 or self.max_model_len < 0:
+            raise ValueError("num_threads and max_model_len must be >= 0")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]

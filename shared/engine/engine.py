@@ -1,0 +1,139 @@
+"""The torch engine: weights + KV arena + block manager + forward + sampling.
+
+``Engine`` is compute and storage. It does not schedule: callers (``fluidpd generate``'s
+loop in generate.py, the worker runtime) decide what runs in each step, grow block tables
+through ``engine.block_manager`` and call ``forward`` / ``sample``.
+
+Threading: ``forward`` may run in a worker thread while the event loop thread owns the
+block manager; it only writes KV bytes of blocks named in its inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shared.engine.attention import make_attention
+from shared.engine.batch import StepInput, build_batch
+from shared.engine.block_manager import BlockManager
+from shared.engine.config import EngineConfig, ModelConfig
+from shared.engine.kv_arena import KVArena
+from shared.engine.model import LlamaModel
+from shared.engine.sampler import sample
+from shared.errors import ContextLengthError
+from shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shared.engine.loader import LoadedModel
+    from shared.tokenizer import Tokenizer
+
+
+class Engine:
+    """A loaded model with its KV cache. Construct with ``Engine.load(cfg)``."""
+
+    kind = "torch"
+
+    def __init__(self, cfg: EngineConfig, loaded: LoadedModel) -> None:
+        self.cfg = cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.device = torch.device(cfg.device)
+        self.model_config: ModelConfig = loaded.config
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.model_name = cfg.model
+        self.weight_digest = loaded.weight_digest
+        self.model_source = loaded.source
+        mc = self.model_config
+        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        attention = make_attention(cfg.attention_backend, self.device, 1.0 / math.sqrt(mc.head_dim))
+        self.model = LlamaModel(
+            mc, loaded.weights, attention, cfg.torch_dtype, self.device, self.max_model_len
+        )
+        block_bytes = cfg.block_size * mc.kv_bytes_per_token(cfg.torch_dtype)
+        num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // block_bytes)
+        self.arena = KVArena(
+            num_blocks, mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size,
+            cfg.torch_dtype, self.device,
+        )
+        self._kv_layers = [self.arena.layer_view(i) for i in range(mc.num_layers)]
+        self.block_manager = BlockManager(
+            num_blocks, cfg.block_size, self.arena.zero_blocks if cfg.kv_zero_on_free else None
+        )
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys((*mc.eos_token_ids, *self.tokenizer.eos_token_ids))
+        )
+
+    @classmethod
+    def load(cls, cfg: EngineConfig) -> Engine:
+        """Load ``cfg.model`` through the one loader. Raises ModelLoadError on bad files."""
+        from shared.engine.loader import load_model
+
+        return cls(cfg, load_model(cfg.model, cfg.torch_dtype))
+
+    # ------------------------------------------------------------------ compute
+    def forward(self, steps: Seq[StepInput]) -> torch.Tensor:
+        """Compute logits ``[len(steps), vocab]`` for the last new token of each step.
+
+        Writes the new tokens' KV into the blocks named by each step's block table.
+        Raises ContextLengthError if a step runs past the context limit.
+        """
+        for s in steps:
+            if s.context_len > self.max_model_len:
+                raise ContextLengthError(
+                    f"{s.seq_id}: {s.context_len} tokens exceed the context limit "
+                    f"{self.max_model_len}"
+                )
+        batch = build_batch(steps, self.cfg.block_size, self.device)
+        return self.model.forward(batch, self._kv_layers)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Seq[SamplingParams],
+        steps: Seq[int],
+        seeds: Seq[int],
+    ) -> list[int]:
+        return sample(logits, params, steps, seeds)
+
+    def check_prompt(self, num_prompt_tokens: int, max_tokens: int = 1) -> None:
+        """Raise ContextLengthError if the prompt cannot be served at all."""
+        if num_prompt_tokens <= 0:
+            raise ContextLengthError("prompt is empty")
+        if num_prompt_tokens + 1 > self.max_model_len:
+            raise ContextLengthError(
+                f"prompt has {num_prompt_tokens} tokens; the context limit is "
+                f"{self.max_model_len} (including at least one generated token)"
+            )
+
+    # ------------------------------------------------------------- descriptors
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """Everything that must match for KV computed here to be valid on a peer."""
+        mc = self.model_config
+        return {
+            "model_digest": mc.digest(),
+            "weight_digest": self.weight_digest,
+            "dtype": self.cfg.dtype,
+            "block_size": self.cfg.block_size,
+            "kv_layout": self.arena.layout,
+            "tp_rank": 0,
+            "tp_size": 1,
+            "rope": f"{mc.rope_theta}:{dict(mc.rope_scaling)}",
+            "tokenizer_digest": self.tokenizer.digest(),
+        }
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "engine": self.kind,
+            "model": self.model_name,
+            "architecture": self.model_config.architecture,
+            "num_kv_blocks": self.arena.num_blocks,
+            "block_size": self.cfg.block_size,
+            "kv_block_bytes": self.arena.block_nbytes,
+            "max_model_len": self.max_model_len,
+            "attention": self.model.attention.name,
+            "threads": torch.get_num_threads(),
+        }

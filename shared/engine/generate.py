@@ -1,0 +1,127 @@
+"""Single-process generation: the ground truth every distributed path must reproduce.
+
+A small continuous-batching loop over one Engine: each iteration admits at most one waiting
+prompt chunk (chunked prefill when a prompt is longer than ``prefill_chunk_tokens``) and
+decodes every running sequence, all in one forward pass. When the KV pool runs short the
+newest running sequence is preempted (its blocks freed, recomputed later) — never a crash.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from shared.engine.batch import StepInput
+from shared.engine.engine import Engine
+from shared.engine.sequence import Sequence, finish_reason_after
+from shared.errors import NoFreeBlocksError
+from shared.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    seq_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+
+
+def generate(
+    engine: Engine,
+    prompts: Seq[Seq[int]],
+    params: SamplingParams | Seq[SamplingParams],
+    prefill_chunk_tokens: int = 512,
+) -> list[GenerationOutput]:
+    """Generate for every prompt (token ids); outputs in input order.
+
+    Raises ContextLengthError for a prompt that cannot fit, NoFreeBlocksError if a single
+    prompt cannot fit the whole KV pool. Frees every block it allocated before returning.
+    """
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    seqs = [
+        Sequence(f"gen-{i}", list(p), sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
+    by_id = {s.seq_id: s for s in seqs}
+    bm = engine.block_manager
+    for s in seqs:
+        engine.check_prompt(len(s.prompt_token_ids))
+        if bm.blocks_for_tokens(len(s.prompt_token_ids) + 1) > bm.num_blocks:
+            raise NoFreeBlocksError(bm.blocks_for_tokens(len(s.prompt_token_ids) + 1), bm.num_blocks)
+    waiting: deque[Sequence] = deque(seqs)
+    prefilling: Sequence | None = None
+    running: list[Sequence] = []
+    try:
+        while waiting or running or prefilling:
+            steps: list[StepInput] = []
+            sampled: list[Sequence] = []
+            if prefilling is None and waiting and len(running) < engine.cfg.max_num_seqs:
+                cand = waiting[0]
+                if bm.can_allocate(bm.blocks_for_tokens(min(cand.num_tokens, prefill_chunk_tokens))):
+                    prefilling = waiting.popleft()
+                    bm.allocate(prefilling.seq_id, 0)
+            if prefilling is not None:
+                seq = prefilling
+                chunk = seq.pending_token_ids()[:prefill_chunk_tokens]
+                try:
+                    bm.grow(seq.seq_id, seq.num_cached_tokens + len(chunk))
+                except NoFreeBlocksError:
+                    if not running:  # cannot happen: the prompt was checked to fit the pool
+                        raise
+                    _preempt(engine, running, waiting)
+                    continue
+                steps.append(StepInput(seq.seq_id, chunk, seq.num_cached_tokens,
+                                       bm.block_table(seq.seq_id)))
+                if seq.num_cached_tokens + len(chunk) == seq.num_tokens:
+                    sampled.append(seq)
+            for seq in list(running):
+                try:
+                    bm.grow(seq.seq_id, seq.num_tokens)
+                except NoFreeBlocksError:
+                    _preempt(engine, running, waiting)
+                    break
+            else:
+                for seq in running:
+                    steps.append(StepInput(seq.seq_id, seq.pending_token_ids(),
+                                           seq.num_cached_tokens, bm.block_table(seq.seq_id)))
+                    sampled.append(seq)
+            if not steps:
+                continue
+            logits = engine.forward(steps)
+            for step in steps:
+                by_id[step.seq_id].num_cached_tokens = step.context_len
+            rows = [i for i, st in enumerate(steps) if by_id[st.seq_id] in sampled]
+            chosen = [by_id[steps[i].seq_id] for i in rows]
+            tokens = engine.sample(
+                logits[rows],
+                [s.params for s in chosen],
+                [len(s.output_token_ids) for s in chosen],
+                [s.seed for s in chosen],
+            )
+            for seq, tok in zip(chosen, tokens, strict=True):
+                seq.output_token_ids.append(tok)
+                seq.finish_reason = finish_reason_after(seq, tok, engine.eos_token_ids,
+                                                        engine.max_model_len)
+                if seq is prefilling:
+                    prefilling = None
+                    running.append(seq)
+                if seq.finished:
+                    running.remove(seq)
+                    bm.free_sequence(seq.seq_id)
+    finally:
+        for s in seqs:
+            if bm.has_sequence(s.seq_id):
+                bm.free_sequence(s.seq_id)
+    return [
+        GenerationOutput(s.seq_id, s.prompt_token_ids, s.output_token_ids, s.finish_reason or "abort")
+        for s in seqs
+    ]
+
+
+def _preempt(engine: Engine, running: list[Sequence], waiting: deque[Sequence]) -> None:
+    """Free the newest running sequence and requeue it first (it recomputes its tokens)."""
+    victim = running.pop()
+    engine.block_manager.free_sequence(victim.seq_id)
+    victim.num_cached_tokens = 0
+    waiting.appendleft(victim)
