@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +30,15 @@ from shared.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from shared.engine.loader import LoadedModel
     from shared.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """Sample the next token of a request: its params, token index and resolved seed."""
+
+    params: SamplingParams
+    step: int
+    seed: int
 
 
 class Engine:
@@ -98,6 +108,26 @@ class Engine:
         seeds: Seq[int],
     ) -> list[int]:
         return sample(logits, params, steps, seeds)
+
+    def step(self, steps: Seq[StepInput], specs: Seq[SampleSpec | None]) -> list[int | None]:
+        """Forward ``steps`` and sample a token for each step whose spec is not None.
+
+        This is the one call schedulers make (torch and emulated engines alike).
+        """
+        logits = self.forward(steps)
+        rows = [i for i, spec in enumerate(specs) if spec is not None]
+        out: list[int | None] = [None] * len(steps)
+        if rows:
+            chosen = [specs[i] for i in rows]
+            toks = sample(
+                logits[rows],
+                [c.params for c in chosen],  # type: ignore[union-attr]
+                [c.step for c in chosen],  # type: ignore[union-attr]
+                [c.seed for c in chosen],  # type: ignore[union-attr]
+            )
+            for i, tok in zip(rows, toks, strict=True):
+                out[i] = tok
+        return out
 
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int = 1) -> None:
         """Raise ContextLengthError if the prompt cannot be served at all."""

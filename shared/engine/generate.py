@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from shared.engine.batch import StepInput
-from shared.engine.engine import Engine
+from shared.engine.engine import Engine, SampleSpec
 from shared.engine.sequence import Sequence, finish_reason_after
 from shared.errors import NoFreeBlocksError
 from shared.sampling_params import SamplingParams
@@ -88,18 +88,17 @@ def generate(
                     sampled.append(seq)
             if not steps:
                 continue
-            logits = engine.forward(steps)
+            specs = [
+                SampleSpec(s.params, len(s.output_token_ids), s.seed) if s in sampled else None
+                for s in (by_id[st.seq_id] for st in steps)
+            ]
+            results = engine.step(steps, specs)
             for step in steps:
                 by_id[step.seq_id].num_cached_tokens = step.context_len
-            rows = [i for i, st in enumerate(steps) if by_id[st.seq_id] in sampled]
-            chosen = [by_id[steps[i].seq_id] for i in rows]
-            tokens = engine.sample(
-                logits[rows],
-                [s.params for s in chosen],
-                [len(s.output_token_ids) for s in chosen],
-                [s.seed for s in chosen],
-            )
-            for seq, tok in zip(chosen, tokens, strict=True):
+            for step, tok in zip(steps, results, strict=True):
+                if tok is None:
+                    continue
+                seq = by_id[step.seq_id]
                 seq.output_token_ids.append(tok)
                 seq.finish_reason = finish_reason_after(seq, tok, engine.eos_token_ids,
                                                         engine.max_model_len)

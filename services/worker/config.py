@@ -1,0 +1,77 @@
+"""The worker's one frozen config. Built by ``__main__`` from flags and environment."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+ROLES = ("prefill", "decode")
+ENGINES = ("torch", "emulated")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Everything a worker process needs to know before it starts. Validated on creation.
+
+    ``short_prompt_tokens``: prompts up to this length are served entirely on one (decode)
+    worker by the router; workers only need it for telemetry. ``prefill_batch_size`` is how
+    many queued prompts one prefill iteration may compute (FIFO; 1 by default).
+    """
+
+    worker_id: str
+    role: str
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str = ""
+    nats_password: str = field(default="", repr=False)
+    nats_creds: str = ""
+    nats_tls_ca: str = ""
+    subject_prefix: str = "fluidpd"
+    engine: str = "torch"
+    model: str = "tiny"
+    profile: str = ""
+    num_threads: int = 0
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    kv_zero_on_free: bool = False
+    emulated_kv_bytes_per_token: int = 16
+    time_scale: float = 1.0
+    max_num_seqs: int = 64
+    prefill_batch_size: int = 1
+    cluster_secret: str = field(default="", repr=False)
+    heartbeat_s: float = 1.0
+    telemetry_interval_s: float = 0.02
+    transfer_timeout_s: float = 10.0
+    admit_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0
+    ttft_slo_ms: float = 2000.0
+    tpot_slo_ms: float = 100.0
+    fluidtoken: bool = True
+    policy_config: str = ""
+    metrics_port: int = 0  # 0: no /metrics HTTP server
+    host: str = field(default_factory=socket.gethostname)
+    log_json: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.worker_id or any(c in self.worker_id for c in ". *>\t\n"):
+            raise ValueError(f"worker_id must be a non-empty NATS token, got {self.worker_id!r}")
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.prefill_batch_size <= 0 or self.max_num_seqs <= 0:
+            raise ValueError("prefill_batch_size and max_num_seqs must be > 0")
+        for name in ("heartbeat_s", "telemetry_interval_s", "transfer_timeout_s",
+                     "admit_timeout_s", "request_timeout_s", "ttft_slo_ms", "tpot_slo_ms",
+                     "time_scale"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+    @property
+    def secret_bytes(self) -> bytes:
+        return self.cluster_secret.encode()
+
+
+def default_worker_id(role: str) -> str:
+    return f"{role[0]}-{socket.gethostname().split('.')[0]}-{os.getpid()}"
