@@ -59,7 +59,7 @@ def apply_stop_strings(
         full = decode(list(token_ids[: i + 1]))
         if full.endswith("\ufffd"):
             continue  # an incomplete UTF-8 sequence: wait for the next token
-        text += matcher.feed(full[len(prev):])
+        text += matcher.feed(full[len(prev) :])
         prev = full
         if matcher.stopped:
             return list(token_ids[: i + 1]), text, True

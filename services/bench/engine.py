@@ -87,8 +87,7 @@ def _hf_generate_tps(engine: Engine, batch: int, prompt_len: int, new_tokens: in
         model = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
     model.eval()
     ids = torch.tensor([[(i * 7) % 1000 + 5 for i in range(prompt_len)]] * batch)
-    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-              pad_token_id=0)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0)
         t0 = time.perf_counter()

@@ -61,8 +61,11 @@ def _run(args: argparse.Namespace) -> int:
     out = generate(engine, [prompt_ids], params)[0]
     token_ids, text_out, _ = apply_stop_strings(tok, out.token_ids, params.stop)
     if args.json:
-        print(json.dumps({"token_ids": token_ids, "text": text_out,
-                          "finish_reason": out.finish_reason}))
+        print(
+            json.dumps(
+                {"token_ids": token_ids, "text": text_out, "finish_reason": out.finish_reason}
+            )
+        )
     else:
         print(text_out)
     return 0

@@ -48,6 +48,7 @@ class WorkerConfig:
     ttft_slo_ms: float = 2000.0
     tpot_slo_ms: float = 100.0
     fluidtoken: bool = True
+    force_steal_ratio: float = -1.0  # >= 0: split every prompt at this beta (tests, debugging)
     policy_config: str = ""
     metrics_port: int = 0  # 0: no /metrics HTTP server
     host: str = field(default_factory=socket.gethostname)
@@ -60,11 +61,20 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.force_steal_ratio >= 1.0:
+            raise ValueError("force_steal_ratio must be < 1 (a prefix of one token at least)")
         if self.prefill_batch_size <= 0 or self.max_num_seqs <= 0:
             raise ValueError("prefill_batch_size and max_num_seqs must be > 0")
-        for name in ("heartbeat_s", "telemetry_interval_s", "transfer_timeout_s",
-                     "admit_timeout_s", "request_timeout_s", "ttft_slo_ms", "tpot_slo_ms",
-                     "time_scale"):
+        for name in (
+            "heartbeat_s",
+            "telemetry_interval_s",
+            "transfer_timeout_s",
+            "admit_timeout_s",
+            "request_timeout_s",
+            "ttft_slo_ms",
+            "tpot_slo_ms",
+            "time_scale",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 

@@ -121,7 +121,9 @@ def make_attention(backend: str, device: torch.device, scale: float) -> Attentio
             from shared.engine.flashinfer_backend import FlashInferPagedAttention
         except ImportError:
             if backend == "flashinfer":
-                raise ValueError("attention_backend=flashinfer but flashinfer is not installed") from None
+                raise ValueError(
+                    "attention_backend=flashinfer but flashinfer is not installed"
+                ) from None
         else:
             return FlashInferPagedAttention(scale, device)
     if backend == "flashinfer":

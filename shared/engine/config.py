@@ -46,8 +46,16 @@ class ModelConfig:
                 f"architecture {self.architecture!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"model config field {name} must be > 0")
         if self.num_heads % self.num_kv_heads:
@@ -94,7 +102,9 @@ class EngineConfig:
         if self.max_num_seqs <= 0:
             raise ValueError("max_num_seqs must be > 0")
         if self.attention_backend not in ("auto", "torch", "flashinfer"):
-            raise ValueError(f"attention_backend must be auto|torch|flashinfer, got {self.attention_backend!r}")
+            raise ValueError(
+                f"attention_backend must be auto|torch|flashinfer, got {self.attention_backend!r}"
+            )
         if self.num_threads < 0 or self.max_model_len < 0:
             raise ValueError("num_threads and max_model_len must be >= 0")
 

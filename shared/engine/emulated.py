@@ -79,8 +79,8 @@ class EmulatedEngine:
 
     @classmethod
     def load(cls, cfg: EmulatedConfig) -> EmulatedEngine:
-        from shared.engine.loader import load_tokenizer
         from shared.engine.profiles import load_profile
+        from shared.tokenizer.models import load_tokenizer
 
         return cls(cfg, load_profile(cfg.profile_path), load_tokenizer(cfg.model))
 
@@ -121,8 +121,11 @@ class EmulatedEngine:
             if spec is None:
                 out.append(None)
                 continue
-            out.append(pseudo_token(spec.seed, spec.step, s.token_ids[-1],
-                                    self.tokenizer.vocab_size, self._skip))
+            out.append(
+                pseudo_token(
+                    spec.seed, spec.step, s.token_ids[-1], self.tokenizer.vocab_size, self._skip
+                )
+            )
         remaining = self.predict_step_s(steps) - (time.perf_counter() - started)
         if remaining > 0:
             time.sleep(remaining)

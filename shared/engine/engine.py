@@ -57,8 +57,9 @@ class Engine:
         self.weight_digest = loaded.weight_digest
         self.model_source = loaded.source
         mc = self.model_config
-        self.max_model_len = min(cfg.max_model_len or mc.max_position_embeddings,
-                                 mc.max_position_embeddings)
+        self.max_model_len = min(
+            cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
+        )
         attention = make_attention(cfg.attention_backend, self.device, 1.0 / math.sqrt(mc.head_dim))
         self.model = LlamaModel(
             mc, loaded.weights, attention, cfg.torch_dtype, self.device, self.max_model_len
@@ -66,8 +67,13 @@ class Engine:
         block_bytes = cfg.block_size * mc.kv_bytes_per_token(cfg.torch_dtype)
         num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // block_bytes)
         self.arena = KVArena(
-            num_blocks, mc.num_layers, mc.num_kv_heads, mc.head_dim, cfg.block_size,
-            cfg.torch_dtype, self.device,
+            num_blocks,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            cfg.block_size,
+            cfg.torch_dtype,
+            self.device,
         )
         self._kv_layers = [self.arena.layer_view(i) for i in range(mc.num_layers)]
         self.block_manager = BlockManager(

@@ -41,14 +41,17 @@ def generate(
     if isinstance(params, SamplingParams):
         params = [params] * len(prompts)
     seqs = [
-        Sequence(f"gen-{i}", list(p), sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+        Sequence(f"gen-{i}", list(p), sp)
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
     ]
     by_id = {s.seq_id: s for s in seqs}
     bm = engine.block_manager
     for s in seqs:
         engine.check_prompt(len(s.prompt_token_ids))
         if bm.blocks_for_tokens(len(s.prompt_token_ids) + 1) > bm.num_blocks:
-            raise NoFreeBlocksError(bm.blocks_for_tokens(len(s.prompt_token_ids) + 1), bm.num_blocks)
+            raise NoFreeBlocksError(
+                bm.blocks_for_tokens(len(s.prompt_token_ids) + 1), bm.num_blocks
+            )
     waiting: deque[Sequence] = deque(seqs)
     prefilling: Sequence | None = None
     running: list[Sequence] = []
@@ -58,7 +61,9 @@ def generate(
             sampled: list[Sequence] = []
             if prefilling is None and waiting and len(running) < engine.cfg.max_num_seqs:
                 cand = waiting[0]
-                if bm.can_allocate(bm.blocks_for_tokens(min(cand.num_tokens, prefill_chunk_tokens))):
+                if bm.can_allocate(
+                    bm.blocks_for_tokens(min(cand.num_tokens, prefill_chunk_tokens))
+                ):
                     prefilling = waiting.popleft()
                     bm.allocate(prefilling.seq_id, 0)
             if prefilling is not None:
@@ -71,8 +76,9 @@ def generate(
                         raise
                     _preempt(engine, running, waiting)
                     continue
-                steps.append(StepInput(seq.seq_id, chunk, seq.num_cached_tokens,
-                                       bm.block_table(seq.seq_id)))
+                steps.append(
+                    StepInput(seq.seq_id, chunk, seq.num_cached_tokens, bm.block_table(seq.seq_id))
+                )
                 if seq.num_cached_tokens + len(chunk) == seq.num_tokens:
                     sampled.append(seq)
             for seq in list(running):
@@ -83,8 +89,14 @@ def generate(
                     break
             else:
                 for seq in running:
-                    steps.append(StepInput(seq.seq_id, seq.pending_token_ids(),
-                                           seq.num_cached_tokens, bm.block_table(seq.seq_id)))
+                    steps.append(
+                        StepInput(
+                            seq.seq_id,
+                            seq.pending_token_ids(),
+                            seq.num_cached_tokens,
+                            bm.block_table(seq.seq_id),
+                        )
+                    )
                     sampled.append(seq)
             if not steps:
                 continue
@@ -100,8 +112,9 @@ def generate(
                     continue
                 seq = by_id[step.seq_id]
                 seq.output_token_ids.append(tok)
-                seq.finish_reason = finish_reason_after(seq, tok, engine.eos_token_ids,
-                                                        engine.max_model_len)
+                seq.finish_reason = finish_reason_after(
+                    seq, tok, engine.eos_token_ids, engine.max_model_len
+                )
                 if seq is prefilling:
                     prefilling = None
                     running.append(seq)
@@ -113,7 +126,9 @@ def generate(
             if bm.has_sequence(s.seq_id):
                 bm.free_sequence(s.seq_id)
     return [
-        GenerationOutput(s.seq_id, s.prompt_token_ids, s.output_token_ids, s.finish_reason or "abort")
+        GenerationOutput(
+            s.seq_id, s.prompt_token_ids, s.output_token_ids, s.finish_reason or "abort"
+        )
         for s in seqs
     ]
 

@@ -139,8 +139,14 @@ class LlamaModel:
         for layer in self.layers:
             total += sum(
                 t.numel()
-                for t in (layer.input_norm, layer.qkv_weight, layer.o_weight, layer.post_norm,
-                          layer.gate_up_weight, layer.down_weight)
+                for t in (
+                    layer.input_norm,
+                    layer.qkv_weight,
+                    layer.o_weight,
+                    layer.post_norm,
+                    layer.gate_up_weight,
+                    layer.down_weight,
+                )
             )
         return total * self.embed.element_size()
 

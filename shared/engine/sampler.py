@@ -18,7 +18,10 @@ def step_seed(seed: int, step: int) -> int:
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], steps: Sequence[int], seeds: Sequence[int]
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    steps: Sequence[int],
+    seeds: Sequence[int],
 ) -> list[int]:
     """Pick one token per row of ``logits`` ``[B, V]``. Pure: same inputs, same tokens.
 

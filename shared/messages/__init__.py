@@ -1,0 +1,115 @@
+"""Subjects, typed messages and the wire codec (msgpack; JSON on control subjects).
+
+Import from here: ``from shared.messages import Subjects, SwitchCommand, encode, decode``.
+"""
+
+from shared.messages.codec import decode, decode_reply, decode_with_format, encode, is_json
+from shared.messages.common import ROLES, Ack, ErrorReply, Role, SamplingParams
+from shared.messages.control import (
+    PolicyCommand,
+    PolicyReply,
+    StatusReply,
+    StatusRequest,
+    WorkerRecord,
+    WorkerRow,
+)
+from shared.messages.limits import (
+    MAX_MESSAGE_BYTES,
+    MAX_WIRE_BLOCKS,
+    MAX_WIRE_TOKEN_IDS,
+    check_context_fits,
+)
+from shared.messages.schema import Message, MessageError, MessageTooLargeError
+from shared.messages.sequence import Observation, SequenceTracker, StreamSequencer
+from shared.messages.streams import (
+    ControllerDecision,
+    StateEvent,
+    StreamMessage,
+    TokenBatch,
+    TokenItem,
+    WorkerTelemetry,
+)
+from shared.messages.subjects import Subjects
+from shared.messages.token_batching import pack_token_batches
+from shared.messages.worker_rpc import (
+    AdmitReply,
+    AdmitRequest,
+    CancelRequest,
+    HandoffNotice,
+    MigrateRequest,
+    PrefillRequest,
+    SwitchCommand,
+    SwitchReply,
+)
+
+# Every concrete message type (tests iterate over it; tags must be unique).
+ALL_MESSAGE_TYPES: tuple[type[Message], ...] = (
+    SamplingParams,
+    Ack,
+    ErrorReply,
+    PrefillRequest,
+    AdmitRequest,
+    AdmitReply,
+    HandoffNotice,
+    CancelRequest,
+    SwitchCommand,
+    SwitchReply,
+    MigrateRequest,
+    TokenItem,
+    TokenBatch,
+    WorkerTelemetry,
+    StateEvent,
+    ControllerDecision,
+    StatusRequest,
+    WorkerRow,
+    StatusReply,
+    PolicyCommand,
+    PolicyReply,
+    WorkerRecord,
+)
+
+__all__ = [
+    "ALL_MESSAGE_TYPES",
+    "MAX_MESSAGE_BYTES",
+    "MAX_WIRE_BLOCKS",
+    "MAX_WIRE_TOKEN_IDS",
+    "ROLES",
+    "Ack",
+    "AdmitReply",
+    "AdmitRequest",
+    "CancelRequest",
+    "ControllerDecision",
+    "ErrorReply",
+    "HandoffNotice",
+    "Message",
+    "MessageError",
+    "MessageTooLargeError",
+    "MigrateRequest",
+    "Observation",
+    "PolicyCommand",
+    "PolicyReply",
+    "PrefillRequest",
+    "Role",
+    "SamplingParams",
+    "SequenceTracker",
+    "StateEvent",
+    "StatusReply",
+    "StatusRequest",
+    "StreamMessage",
+    "StreamSequencer",
+    "Subjects",
+    "SwitchCommand",
+    "SwitchReply",
+    "TokenBatch",
+    "TokenItem",
+    "WorkerRecord",
+    "WorkerRow",
+    "WorkerTelemetry",
+    "check_context_fits",
+    "decode",
+    "decode_reply",
+    "decode_with_format",
+    "encode",
+    "is_json",
+    "pack_token_batches",
+]

@@ -1,0 +1,267 @@
+"""``fluidpd bench kv``: KV transfer bandwidth over UCX vs this machine's memcpy.
+
+For each UCX transport setting (``UCX_TLS`` is process-wide, so each setting runs in a
+fresh receiver process with a fresh sender process beside it), block size and payload:
+end-to-end time from handing the ticket to the sender until the blocks are installed on
+the receiver (envelope, every segment, checksums on both sides, validation, install),
+with validation on and off; ``np.copyto`` over the same size in the same process; and the
+fixed per-transfer overhead of a one-block transfer with its receiver-side breakdown.
+Last line: one JSON object; ``best_ratio`` is the best end-to-end (validation on)
+bandwidth over memcpy bandwidth for payloads of 64 MiB and more (goal >= 0.6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+MIB = 1 << 20
+# Arena shape: 8 layers x (k, v) x 16 tokens x 2 heads x head_dim float32 = 2 KiB x head_dim.
+_LAYERS, _HEADS, _BLOCK_TOKENS = 8, 2, 16
+
+
+def _arena(num_blocks: int, block_kib: int) -> Any:
+    import torch
+
+    from shared.engine.kv_arena import KVArena
+
+    arena = KVArena(num_blocks, _LAYERS, _HEADS, block_kib // 2, _BLOCK_TOKENS, torch.float32)
+    flat = arena.tensor.view(-1).view(torch.uint8)
+    flat.copy_(torch.arange(flat.numel(), dtype=torch.int64).remainder_(251).to(torch.uint8))
+    return arena
+
+
+def _fingerprint(arena: Any) -> Any:
+    from shared.transfer import KVFingerprint
+
+    return KVFingerprint("bench", "w", "float32", _BLOCK_TOKENS, arena.layout)
+
+
+SECRET = b"bench-secret-not-for-production"
+
+
+# ------------------------------------------------------------------------ sender
+async def _sender_main() -> None:
+    from shared.transfer import KVSender, TransferNode, TransferTicket
+
+    node = TransferNode()
+    await node.start()
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    out = os.fdopen(int(os.environ["KV_BENCH_FD"]), "w", buffering=1)
+    out.write(json.dumps({"address": node.address.hex()}) + "\n")
+    arena: Any = None
+    senders: dict[bool, KVSender] = {}
+    while line := await reader.readline():
+        msg = json.loads(line)
+        if msg["cmd"] == "setup":
+            arena = _arena(msg["num_blocks"], msg["block_kib"])
+            senders = {
+                v: KVSender(node, worker_id="bench-src", fingerprint=_fingerprint(arena),
+                            secret=SECRET, send_checksums=v)
+                for v in (True, False)
+            }
+            out.write("{}\n")
+        elif msg["cmd"] == "send":
+            ticket = TransferTicket.decode(bytes.fromhex(msg["ticket"]), SECRET)
+            res = await senders[msg["validate"]].send(
+                ticket, arena, list(range(ticket.num_blocks)), timeout_s=60
+            )
+            out.write(json.dumps({"timings_ms": dict(res.timings_ms)}) + "\n")
+        else:
+            break
+
+
+# ------------------------------------------------------------------------ receiver
+def _memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
+    src = np.full(nbytes, 7, dtype=np.uint8)
+    dst = np.zeros(nbytes, dtype=np.uint8)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+class _Pair:
+    """This process receives; a child process sends. Same UCX_TLS for both."""
+
+    def __init__(self, node: Any) -> None:
+        rfd, wfd = os.pipe()
+        env = dict(os.environ, KV_BENCH_FD=str(wfd))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.bench.kv", "--role", "sender"],
+            stdin=subprocess.PIPE, text=True, env=env, pass_fds=(wfd,),
+        )
+        os.close(wfd)
+        self.out = os.fdopen(rfd, "r")
+        self.node = node
+        self.sender_address = json.loads(self.out.readline())["address"]
+
+    def call(self, **msg: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.out.readline())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write('{"cmd": "exit"}\n')
+        self.proc.stdin.flush()
+        self.proc.wait(30)
+
+
+async def _one(pair: _Pair, receiver: Any, rid: str, num_tokens: int, validate: bool) -> dict:
+    loop = asyncio.get_running_loop()
+    ticket = receiver.prepare(rid, num_tokens=num_tokens)
+    recv = asyncio.create_task(receiver.receive(ticket, timeout_s=60))
+    await asyncio.sleep(0)  # receives posted before the ticket leaves
+    t0 = time.perf_counter()
+    sent = loop.run_in_executor(
+        None, lambda: pair.call(cmd="send", ticket=receiver.encode_ticket(ticket).hex(),
+                                validate=validate)
+    )
+    got = await recv
+    e2e_s = time.perf_counter() - t0
+    await sent
+    receiver.bm.free_sequence(got.seq_id)
+    return {"e2e_s": e2e_s, "timings_ms": dict(got.timings_ms), "transport": got.transport}
+
+
+async def _pair_main(args: argparse.Namespace) -> dict[str, Any]:
+    from shared.engine.block_manager import BlockManager
+    from shared.transfer import KVReceiver, TransferNode
+
+    node = TransferNode()
+    await node.start()
+    pair = _Pair(node)
+    rows: list[dict[str, Any]] = []
+    overhead: dict[str, Any] = {}
+    memcpy = {p: _memcpy_gbps(p * MIB) for p in args.payload_mib}
+    for block_kib in args.block_kib:
+        num_blocks = max(args.payload_mib) * MIB // (block_kib * 1024)
+        arena = _arena(num_blocks, block_kib)
+        pair.call(cmd="setup", num_blocks=num_blocks, block_kib=block_kib)
+        bm = BlockManager(num_blocks, _BLOCK_TOKENS)  # one per arena, shared by both modes
+        receivers = {
+            v: KVReceiver(node, worker_id="bench-dst", block_manager=bm, arena=arena,
+                          fingerprint=_fingerprint(arena), secret=SECRET, verify_checksums=v)
+            for v in (True, False)
+        }
+        for validate in (True, False):
+            rcv = receivers[validate]
+            if block_kib == args.block_kib[0] and not overhead.get(str(validate)):
+                one = [await _one(pair, rcv, f"o{validate}{i}", _BLOCK_TOKENS, validate)
+                       for i in range(args.overhead_reps)]
+                overhead[str(validate)] = {
+                    "e2e_us_p50": statistics.median(r["e2e_s"] for r in one) * 1e6,
+                    **{k: statistics.median(r["timings_ms"][k] for r in one) * 1e3
+                       for k in one[0]["timings_ms"]},
+                }
+            for payload in args.payload_mib:
+                tokens = payload * MIB // arena.block_nbytes * _BLOCK_TOKENS
+                reps = 2 if payload >= 1024 else args.reps
+                runs = [await _one(pair, rcv, f"p{block_kib}-{payload}-{validate}-{i}", tokens,
+                                   validate) for i in range(reps + 1)][1:]  # first: warm-up
+                best = min(runs, key=lambda r: r["e2e_s"])
+                gbps = payload * MIB / best["e2e_s"] / 1e9
+                rows.append({
+                    "tls": args.tls[0], "block_kib": block_kib, "payload_mib": payload,
+                    "validate": validate, "gbps": round(gbps, 2),
+                    "memcpy_gbps": round(memcpy[payload], 2),
+                    "ratio": round(gbps / memcpy[payload], 3),
+                    "data_ms": round(best["timings_ms"]["data_ms"], 2),
+                    "validate_ms": round(best["timings_ms"]["validate_ms"], 2),
+                    "install_ms": round(best["timings_ms"]["install_ms"], 3),
+                    "transport": best["transport"],
+                })
+                print(json.dumps(rows[-1]), file=sys.stderr)
+        del arena, receivers
+    pair.close()
+    return {"tls": args.tls[0], "rows": rows, "overhead_us": overhead}
+
+
+# ------------------------------------------------------------------------ driver
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="fluidpd bench kv", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="16 and 64 MiB, 64 KiB blocks")
+    p.add_argument("--tls", action="append", help="UCX_TLS settings to try ('auto' = unset)")
+    p.add_argument("--payload-mib", type=int, nargs="+", default=None)
+    p.add_argument("--block-kib", type=int, nargs="+", default=None)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--overhead-reps", type=int, default=30)
+    p.add_argument("--role", choices=["driver", "pair", "sender"], default="driver",
+                   help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.payload_mib = args.payload_mib or ([16, 64] if args.quick else [16, 64, 256, 1024])
+    args.block_kib = args.block_kib or ([64] if args.quick else [16, 64, 256])
+    args.tls = args.tls or (["auto"] if args.quick else ["auto", "sm,self", "tcp"])
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.role == "sender":
+        asyncio.run(_sender_main())
+        return 0
+    if args.role == "pair":
+        result = asyncio.run(_pair_main(args))
+        print(json.dumps(result))
+        return 0
+    results, failed = [], []
+    for tls in args.tls:
+        env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
+        env.pop("UCX_TLS", None)
+        cmd_args = ["--tls", tls, "--reps", str(args.reps), "--overhead-reps",
+                    str(args.overhead_reps), "--payload-mib", *map(str, args.payload_mib),
+                    "--block-kib", *map(str, args.block_kib)]
+        if tls == "tcp":  # slow path: one block size is enough to see it
+            cmd_args[cmd_args.index("--block-kib") + 1 :] = [str(max(args.block_kib))]
+        if tls != "auto":
+            env["UCX_TLS"] = tls
+        proc = subprocess.run(
+            [sys.executable, "-m", "services.bench.kv", "--role", "pair", *cmd_args],
+            env=env, capture_output=True, text=True, timeout=600,
+        )
+        sys.stderr.write(proc.stderr[-4000:] if proc.returncode else "")
+        if proc.returncode:
+            failed.append(tls)
+            continue
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        results.append(res)
+        for row in res["rows"]:
+            print(f"tls={tls:8s} block={row['block_kib']:4d}KiB payload={row['payload_mib']:5d}MiB "
+                  f"validate={row['validate']!s:5s} {row['gbps']:6.2f} GB/s "
+                  f"memcpy {row['memcpy_gbps']:6.2f} ratio {row['ratio']:.2f}")
+        print(f"tls={tls}: one-block overhead (us): {json.dumps(res['overhead_us'])}")
+    rows = [r for res in results for r in res["rows"]]
+    big = [r for r in rows if r["payload_mib"] >= 64]
+    best_on = max((r for r in big if r["validate"]), key=lambda r: r["ratio"], default=None)
+    best_off = max((r for r in big if not r["validate"]), key=lambda r: r["ratio"], default=None)
+    summary = {
+        "bench": "kv",
+        "best_ratio": best_on["ratio"] if best_on else None,
+        "best": best_on,
+        "best_ratio_no_validation": best_off["ratio"] if best_off else None,
+        "goal_ratio": 0.6,
+        "goal_met": bool(best_on and best_on["ratio"] >= 0.6),
+        "overhead_us": {res["tls"]: res["overhead_us"] for res in results},
+        "tls_failed": failed,
+    }
+    print(json.dumps(summary))
+    return 0 if results else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

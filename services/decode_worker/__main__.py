@@ -1,0 +1,7 @@
+"""`python -m services.decode_worker`: the dual-role worker, starting in the decode role."""
+
+import sys
+
+from services.worker.main import main
+
+sys.exit(main("decode"))

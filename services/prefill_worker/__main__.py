@@ -1,0 +1,7 @@
+"""`python -m services.prefill_worker`: the dual-role worker, starting in the prefill role."""
+
+import sys
+
+from services.worker.main import main
+
+sys.exit(main("prefill"))

@@ -1,0 +1,327 @@
+"""Decode role: admission by reservation, atomic KV install, continuous batching, suffixes.
+
+Request life on a decode worker::
+
+    admit (reserve blocks for prompt + max_tokens, post the KV receive)
+      -> KV arrives, validated, installed in one step          [receiving -> runnable]
+      -> (split only) the stolen suffix runs as a chunked prefill on the installed prefix,
+         then the first token is sampled here
+      -> decode steps, batched with every other runnable request, tokens streamed
+      -> finish: blocks freed                                   [runnable -> gone]
+
+A short prompt routed here directly (``serve_local``) skips the transfer: its whole prompt
+is the "suffix" on zero context.
+
+Ownership: the block manager is touched only from the event loop thread. A step running in
+the engine thread writes KV only into blocks of requests in that step; a request cancelled
+meanwhile is freed after the step commits (``_doomed``), never during it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from services.worker.params import engine_params
+from services.worker.token_stream import TokenStreamer
+from shared.engine.batch import StepInput
+from shared.engine.engine import SampleSpec
+from shared.engine.sequence import Sequence, finish_reason_after
+from shared.errors import NoFreeBlocksError
+from shared.messages import AdmitReply, AdmitRequest, PrefillRequest, TokenItem
+from shared.transfer.errors import TransferError
+from shared.transfer.receiver import KVReceiver
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    request_id: str
+    tokens_subject: str
+    seq: Sequence
+    arrival_s: float
+    phase: str = "receiving"  # receiving | runnable
+    receive_task: asyncio.Task[Any] | None = None
+    stolen_tokens: int = 0
+    timestamps: dict[str, float] = field(default_factory=dict)
+
+
+class DecodeRole:
+    """Owns the decode-side request table and the decode loop of one worker."""
+
+    def __init__(
+        self,
+        engine: Any,
+        receiver: KVReceiver,
+        streamer: TokenStreamer,
+        executor: Executor,
+        publish: Callable[[], Any],
+        *,
+        transfer_timeout_s: float,
+        max_num_seqs: int,
+        prefill_chunk_tokens: int = 512,
+        suffix_budget: Callable[[str, int], int] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.bm = engine.block_manager
+        self.receiver = receiver
+        self.streamer = streamer
+        self.executor = executor
+        self._publish = publish
+        self.transfer_timeout_s = transfer_timeout_s
+        self.max_num_seqs = max_num_seqs
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._suffix_budget = suffix_budget
+        self.requests: dict[str, DecodeRequest] = {}
+        self.runnable: list[DecodeRequest] = []
+        self._in_step: set[str] = set()
+        self._doomed: set[str] = set()
+        self.wakeup = asyncio.Event()
+        self.admitting = True
+        self.stolen_tokens_total = 0
+        self.refused_steals_total = 0
+        self.iterations_total = 0
+        self.last_step_s = 0.0
+        self.last_batch_size = 0
+        self.last_context_tokens = 0
+
+    # ------------------------------------------------------------------ admission
+    def _blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
+        total = min(prompt_len + max_tokens, self.engine.max_model_len)
+        return self.bm.blocks_for_tokens(total)
+
+    def admit(self, msg: AdmitRequest) -> AdmitReply:
+        """Reserve blocks for ``msg`` and post its KV receive. Never raises for capacity."""
+        if not self.admitting:
+            return AdmitReply(
+                ok=False, error="worker is not admitting decode work", retry_after_ms=50
+            )
+        if msg.request_id in self.requests:
+            return AdmitReply(ok=False, error=f"request {msg.request_id} already admitted")
+        if len(self.requests) >= self.max_num_seqs:
+            return AdmitReply(ok=False, error="decode batch is full", retry_after_ms=20)
+        suffix_len = msg.suffix_len
+        if suffix_len and self._suffix_budget is not None:
+            allowed = self._suffix_budget(msg.prefill_worker_id, msg.prompt_len - suffix_len)
+            if suffix_len > allowed:
+                # Re-check our own budget: refuse the steal rather than overrun TPOT.
+                self.refused_steals_total += 1
+                suffix_len = 0
+        prefix_len = msg.prompt_len - suffix_len
+        try:
+            ticket = self.receiver.prepare(
+                msg.request_id,
+                num_tokens=prefix_len,
+                num_blocks=self._blocks_for_request(msg.prompt_len, msg.sampling.max_tokens),
+            )
+        except NoFreeBlocksError as exc:
+            return AdmitReply(ok=False, error=str(exc), retry_after_ms=50)
+        placeholder = [0] * msg.prompt_len  # KV of the prompt arrives; ids are not needed
+        seq = Sequence(
+            msg.request_id,
+            placeholder,
+            engine_params(msg.sampling),
+            seed=msg.sampling.seed if msg.sampling.seed is not None else -1,
+        )
+        req = DecodeRequest(msg.request_id, msg.tokens_subject, seq, time.time())
+        self.requests[msg.request_id] = req
+        req.receive_task = asyncio.ensure_future(self._receive(req, ticket))
+        return AdmitReply(
+            ok=True,
+            transfer_id=ticket.transfer_id,
+            block_ids=ticket.block_ids,
+            generations=ticket.generations,
+            ucx_address=ticket.dst_address,
+            ticket=self.receiver.encode_ticket(ticket),
+            suffix_len=suffix_len,
+        )
+
+    async def _receive(self, req: DecodeRequest, ticket: Any) -> None:
+        try:
+            got = await self.receiver.receive(ticket, timeout_s=self.transfer_timeout_s)
+        except TransferError as exc:
+            log.warning("kv_receive_failed", request_id=req.request_id, error=str(exc))
+            self.requests.pop(req.request_id, None)
+            self.streamer.add(
+                req.tokens_subject,
+                TokenItem(
+                    request_id=req.request_id,
+                    index=len(req.seq.output_token_ids),
+                    finish_reason="error",
+                    error=f"KV transfer failed: {exc}",
+                    error_code=exc.code,
+                ),
+            )
+            self._publish()
+            return
+        except asyncio.CancelledError:
+            self.requests.pop(req.request_id, None)
+            raise
+        if req.request_id not in self.requests:  # cancelled while installing
+            self.bm.free_sequence(got.seq_id)
+            return
+        meta = got.meta
+        seq = req.seq
+        prefix_len = int(meta["prefix_len"])
+        seq.num_cached_tokens = prefix_len
+        suffix = list(meta.get("suffix_token_ids") or [])
+        if suffix:
+            seq.prompt_token_ids = seq.prompt_token_ids[:prefix_len] + suffix
+            req.stolen_tokens = len(suffix)
+        else:
+            seq.output_token_ids.append(int(meta["first_token"]))
+            seq.finish_reason = finish_reason_after(
+                seq, seq.output_token_ids[-1], self.engine.eos_token_ids, self.engine.max_model_len
+            )
+            if seq.finished:
+                self._finish(req)
+                self._publish()
+                return
+        req.phase = "runnable"
+        req.timestamps["kv_installed_s"] = time.time()
+        self.runnable.append(req)
+        self.wakeup.set()
+
+    def serve_local(self, msg: PrefillRequest) -> None:
+        """Serve a (short) prompt entirely here. Raises NoFreeBlocksError if it cannot fit."""
+        if msg.request_id in self.requests:
+            raise ValueError(f"request {msg.request_id} already here")
+        n = len(msg.prompt_token_ids)
+        self.engine.check_prompt(n)
+        blocks = self._blocks_for_request(n, msg.sampling.max_tokens)
+        if not self.bm.can_allocate(blocks):
+            raise NoFreeBlocksError(blocks, self.bm.num_free_blocks)
+        self.bm.allocate(msg.request_id, blocks * self.bm.block_size)
+        seq = Sequence(
+            msg.request_id,
+            list(msg.prompt_token_ids),
+            engine_params(msg.sampling),
+            seed=msg.sampling.seed if msg.sampling.seed is not None else -1,
+        )
+        req = DecodeRequest(msg.request_id, msg.tokens_subject, seq, time.time(), phase="runnable")
+        self.requests[msg.request_id] = req
+        self.runnable.append(req)
+        self.wakeup.set()
+
+    # --------------------------------------------------------------------- cancel
+    def cancel(self, request_id: str) -> bool:
+        """Stop ``request_id`` and free its blocks (after the running step, if in one)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        if req.phase == "receiving":
+            if req.receive_task is not None:
+                req.receive_task.cancel()  # the receiver releases the reservation
+            self.requests.pop(request_id, None)
+            return True
+        if request_id in self._in_step:
+            self._doomed.add(request_id)
+            return True
+        self._finish(req)
+        return True
+
+    def _finish(self, req: DecodeRequest) -> None:
+        self.requests.pop(req.request_id, None)
+        if req in self.runnable:
+            self.runnable.remove(req)
+        if self.bm.has_sequence(req.request_id):
+            self.bm.free_sequence(req.request_id)
+
+    # ----------------------------------------------------------------------- loop
+    def _plan(self) -> tuple[list[StepInput], list[SampleSpec | None], list[DecodeRequest]]:
+        steps: list[StepInput] = []
+        specs: list[SampleSpec | None] = []
+        reqs: list[DecodeRequest] = []
+        prefill_budget = self.prefill_chunk_tokens
+        for req in self.runnable:
+            seq = req.seq
+            pending = seq.pending_token_ids()
+            if len(pending) > 1:  # a suffix or a local prompt: chunked prefill
+                if prefill_budget <= 0:
+                    continue
+                chunk = pending[:prefill_budget]
+                prefill_budget -= len(chunk)
+            else:
+                chunk = pending
+            table = self.bm.block_table(req.request_id)
+            steps.append(StepInput(req.request_id, chunk, seq.num_cached_tokens, table))
+            done = seq.num_cached_tokens + len(chunk) == seq.num_tokens
+            specs.append(
+                SampleSpec(seq.params, len(seq.output_token_ids), seq.seed) if done else None
+            )
+            reqs.append(req)
+        return steps, specs, reqs
+
+    async def run(self) -> None:
+        """The decode loop. Runs until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self.wakeup.wait()
+            steps, specs, reqs = self._plan()
+            if not steps:
+                self.wakeup.clear()
+                continue
+            self._in_step = {r.request_id for r in reqs}
+            started = time.perf_counter()
+            try:
+                tokens = await loop.run_in_executor(self.executor, self.engine.step, steps, specs)
+            finally:
+                self._in_step = set()
+            self.iterations_total += 1
+            self.last_step_s = time.perf_counter() - started
+            self.last_batch_size = sum(1 for s in steps if s.num_new_tokens == 1)
+            self.last_context_tokens = sum(s.context_len for s in steps)
+            self._commit(steps, tokens, reqs)
+            self._publish()
+
+    def _commit(
+        self, steps: list[StepInput], tokens: list[int | None], reqs: list[DecodeRequest]
+    ) -> None:
+        now = time.time()
+        for step, tok, req in zip(steps, tokens, reqs, strict=True):
+            seq = req.seq
+            seq.num_cached_tokens = step.context_len
+            if req.request_id in self._doomed:
+                self._doomed.discard(req.request_id)
+                self._finish(req)
+                continue
+            if tok is None:
+                continue
+            if step.num_new_tokens > 1 and req.stolen_tokens:
+                self.stolen_tokens_total += req.stolen_tokens
+            index = len(seq.output_token_ids)
+            seq.output_token_ids.append(tok)
+            seq.finish_reason = finish_reason_after(
+                seq, tok, self.engine.eos_token_ids, self.engine.max_model_len
+            )
+            stamps = {}
+            if index == 0:
+                stamps = {**req.timestamps, "first_token_s": now}
+            self.streamer.add(
+                req.tokens_subject,
+                TokenItem(
+                    request_id=req.request_id,
+                    index=index,
+                    token_ids=(tok,),
+                    finish_reason=seq.finish_reason,
+                    timestamps=stamps,
+                ),
+            )
+            if seq.finished:
+                self._finish(req)
+
+    # ------------------------------------------------------------------ telemetry
+    @property
+    def num_running(self) -> int:
+        return len(self.runnable)
+
+    @property
+    def num_receiving(self) -> int:
+        return len(self.requests) - len(self.runnable)

@@ -1,0 +1,111 @@
+"""Command line of a worker process (both roles): flags and env -> WorkerConfig -> run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from services.common.logging import configure_logging
+from services.worker.config import WorkerConfig, default_worker_id
+
+
+def build_parser(role: str) -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(
+        prog=f"python -m services.{role}_worker",
+        description=f"FluidPD worker, starting in the {role} role",
+    )
+    p.add_argument("--id", default=env("FLUIDPD_WORKER_ID", ""), help="worker id")
+    p.add_argument("--nats", default=env("FLUIDPD_NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument("--nats-user", default=env("FLUIDPD_NATS_USER", ""))
+    p.add_argument("--nats-password", default=env("FLUIDPD_NATS_PASSWORD", ""))
+    p.add_argument("--nats-creds", default=env("FLUIDPD_NATS_CREDS", ""))
+    p.add_argument("--nats-tls-ca", default=env("FLUIDPD_NATS_TLS_CA", ""))
+    p.add_argument("--subject-prefix", default=env("FLUIDPD_SUBJECT_PREFIX", "fluidpd"))
+    p.add_argument(
+        "--engine", choices=("torch", "emulated"), default=env("FLUIDPD_ENGINE", "torch")
+    )
+    p.add_argument("--model", default=env("FLUIDPD_MODEL", "smollm2-135m"))
+    p.add_argument("--profile", default=env("FLUIDPD_PROFILE", ""))
+    p.add_argument("--policy-config", default=env("FLUIDPD_POLICY_CONFIG", ""))
+    p.add_argument("--threads", type=int, default=int(env("FLUIDPD_THREADS", "0")))
+    p.add_argument("--block-size", type=int, default=int(env("FLUIDPD_BLOCK_SIZE", "16")))
+    p.add_argument("--num-kv-blocks", type=int, default=int(env("FLUIDPD_NUM_KV_BLOCKS", "0")))
+    p.add_argument("--max-num-seqs", type=int, default=int(env("FLUIDPD_MAX_NUM_SEQS", "64")))
+    p.add_argument("--time-scale", type=float, default=float(env("FLUIDPD_TIME_SCALE", "1.0")))
+    p.add_argument("--heartbeat-s", type=float, default=float(env("FLUIDPD_HEARTBEAT_S", "1.0")))
+    p.add_argument(
+        "--transfer-timeout-s", type=float, default=float(env("FLUIDPD_TRANSFER_TIMEOUT_S", "10"))
+    )
+    p.add_argument(
+        "--no-fluidtoken", action="store_true", default=env("FLUIDPD_FLUIDTOKEN", "1") == "0"
+    )
+    p.add_argument(
+        "--force-steal-ratio", type=float, default=float(env("FLUIDPD_FORCE_STEAL_RATIO", "-1"))
+    )
+    p.add_argument(
+        "--kv-zero-on-free", action="store_true", default=env("FLUIDPD_KV_ZERO_ON_FREE", "0") == "1"
+    )
+    p.add_argument("--log-json", action="store_true", default=env("FLUIDPD_LOG_JSON", "0") == "1")
+    return p
+
+
+def config_from_args(role: str, argv: list[str] | None) -> WorkerConfig:
+    a = build_parser(role).parse_args(argv)
+    return WorkerConfig(
+        worker_id=a.id or default_worker_id(role),
+        role=role,
+        nats_url=a.nats,
+        nats_user=a.nats_user,
+        nats_password=a.nats_password,
+        nats_creds=a.nats_creds,
+        nats_tls_ca=a.nats_tls_ca,
+        subject_prefix=a.subject_prefix,
+        engine=a.engine,
+        model=a.model,
+        profile=a.profile,
+        policy_config=a.policy_config,
+        num_threads=a.threads,
+        block_size=a.block_size,
+        num_kv_blocks=a.num_kv_blocks,
+        max_num_seqs=a.max_num_seqs,
+        time_scale=a.time_scale,
+        heartbeat_s=a.heartbeat_s,
+        transfer_timeout_s=a.transfer_timeout_s,
+        fluidtoken=not a.no_fluidtoken,
+        force_steal_ratio=a.force_steal_ratio,
+        kv_zero_on_free=a.kv_zero_on_free,
+        cluster_secret=os.environ.get("FLUIDPD_CLUSTER_SECRET", ""),
+        log_json=a.log_json,
+    )
+
+
+async def serve(cfg: WorkerConfig) -> None:
+    from services.worker.runtime import WorkerRuntime
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with WorkerRuntime(cfg):
+        await stop.wait()
+
+
+def main(role: str, argv: list[str] | None = None) -> int:
+    cfg = config_from_args(role, argv)
+    configure_logging(json_logs=cfg.log_json, service=f"worker:{cfg.worker_id}")
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "prefill", sys.argv[2:]))

@@ -1,0 +1,304 @@
+"""Prefill role: FIFO queue, FluidToken split, prefix compute, KV export to the decode worker.
+
+One iteration::
+
+    head of queue -> split decision (Algorithm 1 over the queue; 0 without budget)
+      -> admit at the paired decode worker (it reserves blocks, may refuse the steal)
+      -> compute the prefix here (the whole prompt when not split), first token sampled
+         and streamed at once when not split
+      -> export the prefix KV straight into the reserved blocks (background task; the next
+         prefill starts meanwhile); local blocks freed when UCX no longer reads them.
+
+The request is retried (same decode worker, after ``retry_after_ms``) only while the decode
+side has not taken ownership, i.e. before a successful admit; a failed export ends it with
+an error item to the router (the decode side frees its reservation on its own deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from services.worker.params import engine_params
+from services.worker.token_stream import TokenStreamer
+from shared.bus import Bus
+from shared.bus.errors import BusError, RemoteError
+from shared.engine.batch import StepInput
+from shared.engine.engine import SampleSpec
+from shared.errors import FluidPDError
+from shared.messages import AdmitReply, AdmitRequest, PrefillRequest, Subjects, TokenItem
+from shared.transfer.envelope import TransferTicket
+from shared.transfer.errors import TransferError
+from shared.transfer.sender import KVSender
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    msg: PrefillRequest
+    received_s: float  # our monotonic clock
+    deadline_s: float  # our monotonic clock
+    seed: int
+    cancelled: bool = False
+    timestamps: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def request_id(self) -> str:
+        return self.msg.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.msg.prompt_token_ids)
+
+
+class PrefillRole:
+    """Owns the prefill queue and the prefill loop of one worker."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        engine: Any,
+        bus: Bus,
+        subjects: Subjects,
+        sender: KVSender,
+        streamer: TokenStreamer,
+        executor: Executor,
+        publish: Callable[[], Any],
+        *,
+        secret: bytes,
+        admit_timeout_s: float,
+        transfer_timeout_s: float,
+        split_planner: Callable[[list[PrefillJob], float], dict[str, int]] | None = None,
+    ) -> None:
+        self.worker_id = worker_id
+        self.engine = engine
+        self.bm = engine.block_manager
+        self.bus = bus
+        self.subjects = subjects
+        self.sender = sender
+        self.streamer = streamer
+        self.executor = executor
+        self._publish = publish
+        self._secret = secret
+        self.admit_timeout_s = admit_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.split_planner = split_planner
+        self.queue: deque[PrefillJob] = deque()
+        self.jobs: dict[str, PrefillJob] = {}
+        self.exports: set[asyncio.Task[None]] = set()
+        self.current: PrefillJob | None = None
+        self.wakeup = asyncio.Event()
+        self.admitting = True
+        self.handed_off_tokens_total = 0
+        self.split_requests_total = 0
+        self.prefills_total = 0
+        self.last_step_s = 0.0
+        self.last_prefill_tokens = 0
+
+    # ------------------------------------------------------------------ intake
+    def enqueue(self, msg: PrefillRequest, seed: int) -> None:
+        """Queue ``msg`` (FIFO). Raises ContextLengthError if it can never be served."""
+        self.engine.check_prompt(len(msg.prompt_token_ids))
+        now = time.monotonic()
+        budget_s = max(0.0, msg.ttft_deadline_s - msg.arrival_time_s)
+        waited_s = max(0.0, time.time() - msg.arrival_time_s)
+        job = PrefillJob(msg, now, now + budget_s - waited_s, seed)
+        job.timestamps["queued_s"] = time.time()
+        self.queue.append(job)
+        self.jobs[msg.request_id] = job
+        self.wakeup.set()
+
+    def cancel(self, request_id: str) -> bool:
+        job = self.jobs.pop(request_id, None)
+        if job is None:
+            return False
+        job.cancelled = True
+        if job in self.queue:
+            self.queue.remove(job)
+        return True
+
+    def take_queued(self) -> list[PrefillJob]:
+        """Remove and return every queued job that has not started (for a P->D switch)."""
+        jobs = list(self.queue)
+        self.queue.clear()
+        for job in jobs:
+            self.jobs.pop(job.request_id, None)
+        return jobs
+
+    # -------------------------------------------------------------------- loop
+    async def run(self) -> None:
+        while True:
+            await self.wakeup.wait()
+            if not self.queue:
+                self.wakeup.clear()
+                continue
+            job = self.queue.popleft()
+            self.current = job
+            try:
+                await self._serve(job)
+            except Exception as exc:  # keep the loop alive; the request fails clearly
+                log.exception("prefill_failed", request_id=job.request_id)
+                self._fail(
+                    job,
+                    f"prefill failed: {type(exc).__name__}: {exc}",
+                    getattr(exc, "code", "internal_error"),
+                )
+            finally:
+                self.current = None
+                self._publish()
+
+    async def _serve(self, job: PrefillJob) -> None:
+        msg = job.msg
+        suffix_len = 0
+        if self.split_planner is not None:
+            plan = self.split_planner([job, *self.queue], time.monotonic())
+            suffix_len = min(plan.get(job.request_id, 0), job.prompt_len - 1)
+        admit = await self._admit(job, suffix_len)
+        if admit is None or job.cancelled:
+            if admit is not None:
+                await self._cancel_remote(job)
+            return
+        suffix_len = admit.suffix_len
+        prefix_len = job.prompt_len - suffix_len
+        ticket = TransferTicket.decode(admit.ticket, self._secret)
+        seq_id = f"pf-{job.request_id}"
+        self.bm.allocate(seq_id, prefix_len)
+        step = StepInput(seq_id, msg.prompt_token_ids[:prefix_len], 0, self.bm.block_table(seq_id))
+        spec = None if suffix_len else SampleSpec(engine_params(msg.sampling), 0, job.seed)
+        job.timestamps["prefill_start_s"] = time.time()
+        started = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        try:
+            (first,) = await loop.run_in_executor(self.executor, self.engine.step, [step], [spec])
+        except BaseException:
+            self.bm.free_sequence(seq_id)
+            raise
+        self.last_step_s = time.perf_counter() - started
+        self.last_prefill_tokens = prefix_len
+        self.prefills_total += 1
+        job.timestamps["prefill_end_s"] = time.time()
+        if job.cancelled:
+            self.bm.free_sequence(seq_id)
+            await self._cancel_remote(job)
+            return
+        if first is not None:
+            self.streamer.add(
+                msg.tokens_subject,
+                TokenItem(
+                    request_id=job.request_id,
+                    index=0,
+                    token_ids=(first,),
+                    timestamps=dict(job.timestamps),
+                ),
+            )
+            self._publish()
+        if suffix_len:
+            self.split_requests_total += 1
+            self.handed_off_tokens_total += suffix_len
+        meta = {
+            "prefix_len": prefix_len,
+            "first_token": first,
+            "suffix_token_ids": list(msg.prompt_token_ids[prefix_len:]) if suffix_len else [],
+        }
+        task = asyncio.ensure_future(self._export(job, ticket, seq_id, meta))
+        self.exports.add(task)
+        task.add_done_callback(self.exports.discard)
+
+    async def _admit(self, job: PrefillJob, suffix_len: int) -> AdmitReply | None:
+        msg = job.msg
+        req = AdmitRequest(
+            request_id=msg.request_id,
+            router_id=msg.router_id,
+            prompt_len=job.prompt_len,
+            max_tokens=msg.sampling.max_tokens,
+            prefill_worker_id=self.worker_id,
+            suffix_len=suffix_len,
+            sampling=msg.sampling,
+            tokens_subject=msg.tokens_subject,
+        )
+        subject = self.subjects.worker_admit(msg.decode_worker_id)
+        give_up_s = time.monotonic() + max(self.admit_timeout_s, job.deadline_s - time.monotonic())
+        while not job.cancelled:
+            try:
+                reply = await self.bus.request(subject, req, AdmitReply, self.admit_timeout_s)
+            except RemoteError as exc:
+                self._fail(job, f"decode worker refused: {exc}", exc.code)
+                return None
+            except BusError as exc:
+                self._fail(
+                    job, f"decode worker {msg.decode_worker_id} unreachable: {exc}", exc.code
+                )
+                return None
+            if reply.ok:
+                return reply
+            if reply.retry_after_ms is None or time.monotonic() > give_up_s:
+                self._fail(
+                    job, f"decode worker has no capacity: {reply.error}", "kv_capacity_exhausted"
+                )
+                return None
+            await asyncio.sleep(reply.retry_after_ms / 1000)  # its backpressure, not a sync
+        return None
+
+    async def _export(
+        self, job: PrefillJob, ticket: TransferTicket, seq_id: str, meta: dict[str, Any]
+    ) -> None:
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.bm.free_sequence(seq_id)
+
+        try:
+            await self.sender.send(
+                ticket,
+                self.engine.arena,
+                self.bm.block_table(seq_id)[: ticket.num_blocks],
+                timeout_s=self.transfer_timeout_s,
+                meta=meta,
+                on_source_released=release,
+            )
+            job.timestamps["kv_sent_s"] = time.time()
+        except (TransferError, FluidPDError) as exc:
+            log.warning("kv_export_failed", request_id=job.request_id, error=str(exc))
+            self._fail(job, f"KV transfer failed: {exc}", exc.code)
+        finally:
+            release()
+            self.jobs.pop(job.request_id, None)
+
+    async def _cancel_remote(self, job: PrefillJob) -> None:
+        from shared.messages import CancelRequest
+
+        try:
+            await self.bus.publish(
+                self.subjects.worker_cancel(job.msg.decode_worker_id),
+                CancelRequest(request_id=job.request_id, reason="cancelled"),
+            )
+        except BusError:
+            pass
+
+    def _fail(self, job: PrefillJob, error: str, code: str) -> None:
+        self.jobs.pop(job.request_id, None)
+        if job.cancelled:
+            return
+        self.streamer.add(
+            job.msg.tokens_subject,
+            TokenItem(
+                request_id=job.request_id, finish_reason="error", error=error, error_code=code
+            ),
+        )
+        self._publish()
+
+    # --------------------------------------------------------------- telemetry
+    @property
+    def queue_len(self) -> int:
+        return len(self.queue) + (1 if self.current else 0)

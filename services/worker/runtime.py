@@ -1,0 +1,241 @@
+"""The dual-role worker runtime: one process, one engine, both roles' machinery.
+
+``WorkerRuntime`` is an async context manager. Entering it loads the engine, starts the UCX
+transfer node, connects the bus, serves this worker's subjects, starts the loops and
+registers in the registry; ``stop()`` (idempotent) undoes it in reverse order.
+
+Every handler goes through the bus's one wrapper (decode, time, count, error reply). The
+engine runs in one dedicated thread; the block manager is touched only on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import structlog
+from prometheus_client import CollectorRegistry
+
+from services.worker.config import WorkerConfig
+from services.worker.decode_role import DecodeRole
+from services.worker.engine_factory import build_engine, fingerprint_of
+from services.worker.prefill_role import PrefillRole
+from services.worker.telemetry import Telemetry
+from services.worker.token_stream import TokenStreamer
+from shared.bus import Bus
+from shared.bus.config import BusConfig
+from shared.bus.registry import RegistryConfig, WorkerRegistration
+from shared.errors import InvalidRequestError
+from shared.messages import (
+    Ack,
+    AdmitReply,
+    AdmitRequest,
+    CancelRequest,
+    PrefillRequest,
+    StreamSequencer,
+    Subjects,
+    WorkerRecord,
+)
+from shared.transfer.receiver import KVReceiver
+from shared.transfer.sender import KVSender
+from shared.transfer.ucx_node import TransferNode
+
+log = structlog.get_logger(__name__)
+
+
+class WorkerRuntime:
+    """A worker process's services. Use as ``async with WorkerRuntime(cfg) as rt``."""
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.subjects = Subjects(cfg.subject_prefix)
+        self.metrics_registry = CollectorRegistry()
+        self.role = cfg.role
+        self.state = "starting"
+        self.started_at_s = time.time()
+        self._stack = contextlib.AsyncExitStack()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._flush_event = asyncio.Event()
+        self._stopped = False
+        self.engine: Any = None
+
+    # ----------------------------------------------------------------- lifecycle
+    async def __aenter__(self) -> WorkerRuntime:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        loop = asyncio.get_running_loop()
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{cfg.worker_id}")
+        self.engine = await loop.run_in_executor(self.executor, build_engine, cfg)
+        fingerprint = fingerprint_of(self.engine)
+        self.node = TransferNode()
+        await self.node.start()
+        self._stack.push_async_callback(self.node.close)
+        secret = cfg.secret_bytes or b"fluidpd-insecure-default-secret"
+        if not cfg.secret_bytes:
+            log.warning("no_cluster_secret", hint="set FLUIDPD_CLUSTER_SECRET in production")
+        self.sender = KVSender(
+            self.node, worker_id=cfg.worker_id, fingerprint=fingerprint, secret=secret
+        )
+        self.receiver = KVReceiver(
+            self.node,
+            worker_id=cfg.worker_id,
+            block_manager=self.engine.block_manager,
+            arena=self.engine.arena,
+            fingerprint=fingerprint,
+            secret=secret,
+        )
+        self._stack.callback(self.sender.close)
+        self._stack.callback(self.receiver.close)
+        bus_cfg = BusConfig.from_url(
+            cfg.nats_url,
+            name=f"worker-{cfg.worker_id}",
+            **({"user": cfg.nats_user, "password": cfg.nats_password} if cfg.nats_user else {}),
+            **({"creds_file": cfg.nats_creds} if cfg.nats_creds else {}),
+            **({"tls_ca_file": cfg.nats_tls_ca} if cfg.nats_tls_ca else {}),
+        )
+        self.bus = Bus(bus_cfg, self.subjects, registry=self.metrics_registry)
+        await self._stack.enter_async_context(self.bus)
+        self.sequencer = StreamSequencer(cfg.worker_id)
+        self.streamer = TokenStreamer(self.sequencer)
+        self.decode = DecodeRole(
+            self.engine,
+            self.receiver,
+            self.streamer,
+            self.executor,
+            self._request_flush,
+            transfer_timeout_s=cfg.transfer_timeout_s,
+            max_num_seqs=cfg.max_num_seqs,
+        )
+        self.prefill = PrefillRole(
+            cfg.worker_id,
+            self.engine,
+            self.bus,
+            self.subjects,
+            self.sender,
+            self.streamer,
+            self.executor,
+            self._request_flush,
+            secret=secret,
+            admit_timeout_s=cfg.admit_timeout_s,
+            transfer_timeout_s=cfg.transfer_timeout_s,
+        )
+        self.telemetry = Telemetry(self)
+        self.telemetry.install_policy()
+        wid = cfg.worker_id
+        s = self.subjects
+        await self.bus.serve(
+            s.worker_prefill(wid), PrefillRequest, self._on_prefill, max_concurrency=64
+        )
+        await self.bus.serve(s.worker_admit(wid), AdmitRequest, self._on_admit, max_concurrency=64)
+        await self.bus.serve(
+            s.worker_cancel(wid), CancelRequest, self._on_cancel, max_concurrency=64
+        )
+        self.telemetry.subscribe_hooks_ready = True
+        await self.telemetry.start()
+        self._tasks += [
+            asyncio.ensure_future(self.decode.run()),
+            asyncio.ensure_future(self.prefill.run()),
+            asyncio.ensure_future(self._flusher()),
+        ]
+        self.state = "active"
+        self.registration = WorkerRegistration(
+            self.bus, self.record(), RegistryConfig(heartbeat_s=cfg.heartbeat_s)
+        )
+        await self.registration.start()
+        log.info("worker_ready", worker_id=wid, role=self.role, **self.engine.describe())
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self.state = "stopping"
+        registration = getattr(self, "registration", None)
+        if registration is not None:
+            with contextlib.suppress(Exception):
+                await registration.stop()
+        telemetry = getattr(self, "telemetry", None)
+        if telemetry is not None:
+            await telemetry.stop()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        prefill = getattr(self, "prefill", None)
+        for task in list(getattr(prefill, "exports", ())):
+            task.cancel()
+        await self._stack.aclose()
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown(wait=True)
+
+    def record(self) -> WorkerRecord:
+        eng = self.engine
+        now = time.time()
+        return WorkerRecord(
+            worker_id=self.cfg.worker_id,
+            role=self.role,
+            state=self.state,
+            pid=os.getpid(),
+            host=self.cfg.host,
+            ucx_address=self.node.address,
+            model=self.cfg.model,
+            fingerprint=fingerprint_of(eng).digest()[:32],
+            kv_total_blocks=eng.block_manager.num_blocks,
+            kv_block_size=eng.block_manager.block_size,
+            max_model_len=eng.max_model_len,
+            started_at_s=self.started_at_s,
+            heartbeat_at_s=now,
+            heartbeat_period_s=self.cfg.heartbeat_s,
+            engine=eng.kind,
+        )
+
+    # ------------------------------------------------------------------ handlers
+    async def _on_prefill(self, msg: PrefillRequest) -> Ack:
+        if self.state != "active":
+            raise InvalidRequestError(f"worker {self.cfg.worker_id} is {self.state}")
+        seed = msg.sampling.seed if msg.sampling.seed is not None else 0
+        if self.role == "prefill" and msg.decode_worker_id != self.cfg.worker_id:
+            self.prefill.enqueue(msg, seed)
+        else:
+            # Routed here whole (short prompt, or this worker is the pair's decode side).
+            self.decode.serve_local(msg)
+        return Ack()
+
+    async def _on_admit(self, msg: AdmitRequest) -> AdmitReply:
+        return self.decode.admit(msg)
+
+    async def _on_cancel(self, msg: CancelRequest) -> None:
+        found = self.prefill.cancel(msg.request_id) | self.decode.cancel(msg.request_id)
+        if found:
+            log.info("request_cancelled", request_id=msg.request_id, reason=msg.reason)
+        return None
+
+    # ------------------------------------------------------------------ streaming
+    def _request_flush(self) -> None:
+        self._flush_event.set()
+
+    async def _flusher(self) -> None:
+        """Publishes pending token batches; one task so batches leave in order."""
+        while True:
+            await self._flush_event.wait()
+            self._flush_event.clear()
+            for subject, batch in self.streamer.take():
+                try:
+                    await self.bus.publish(subject, batch)  # type: ignore[arg-type]
+                except Exception:
+                    log.exception("token_publish_failed", subject=subject)

@@ -1,0 +1,210 @@
+"""Worker telemetry: pressure signals out (every ~20 ms), steal budgets in.
+
+Decode side (eq. 6–8, 14, 16, 17): from block-manager and batch state, publishes DPI_load,
+DPI_adm and a steal budget for every prefill worker it has heard from recently.
+Prefill side (eq. 3–5): publishes PPI over its queue, and keeps the freshest budget of each
+decode worker for Algorithm 1, which ``split_plan`` runs on every prefill iteration.
+
+Times here are this process's monotonic clock: a budget's age is measured from when we
+received it, so clock skew between hosts cannot make a budget look fresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from services.worker.prefill_role import PrefillJob
+from shared.engine.profiles import load_profile
+from shared.messages import WorkerTelemetry
+from shared.policy.config import PolicyConfig
+from shared.policy.fluidtoken import StealBudget, select_steal_ratios
+from shared.policy.predictors import LatencyProfile
+from shared.policy.pressure import DecodeLoad, QueuedRequest, decode_pressure, queue_ppi
+
+if TYPE_CHECKING:
+    from services.worker.runtime import WorkerRuntime
+
+log = structlog.get_logger(__name__)
+
+_PEER_FRESH_S = 2.0  # a prefill worker unheard of for this long no longer shares budgets
+
+
+class Telemetry:
+    def __init__(self, rt: WorkerRuntime) -> None:
+        self.rt = rt
+        cfg = rt.cfg
+        self.policy = (
+            PolicyConfig.load(cfg.policy_config)
+            if cfg.policy_config
+            else PolicyConfig(ttft_ms=cfg.ttft_slo_ms, tpot_ms=cfg.tpot_slo_ms)
+        )
+        self.profile: LatencyProfile = self._profile()
+        self.budgets: dict[str, StealBudget] = {}
+        self.prefill_peers: dict[str, float] = {}
+        self.ppi = 0.0
+        self.dpi_load = 0.0
+        self.dpi_adm = 0.0
+        self.steal_budget_tokens = 0.0
+        self._task: asyncio.Task[None] | None = None
+        self.subscribe_hooks_ready = False
+
+    def _profile(self) -> LatencyProfile:
+        eng = self.rt.engine
+        if getattr(eng, "profile", None) is not None:
+            return eng.profile  # type: ignore[no-any-return]
+        return load_profile(self.rt.cfg.profile or "cpu-tiny")
+
+    def install_policy(self) -> None:
+        """Give the roles their policy hooks (split planner, decode budget re-check)."""
+        if self.rt.cfg.fluidtoken:
+            self.rt.prefill.split_planner = self.split_plan
+            self.rt.decode._suffix_budget = self.suffix_allowance
+
+    async def start(self) -> None:
+        s = self.rt.subjects
+        await self.rt.bus.subscribe_stream(s.telemetry("*", "*"), WorkerTelemetry, self._on_peer)
+        self._task = asyncio.ensure_future(self._publish_loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    # ----------------------------------------------------------------- inbound
+    async def _on_peer(self, msg: WorkerTelemetry) -> None:
+        if msg.publisher_id == self.rt.cfg.worker_id:
+            return
+        now = time.monotonic()
+        if msg.role == "prefill":
+            self.prefill_peers[msg.publisher_id] = now
+        elif msg.role == "decode":
+            tokens = msg.steal_budgets.get(self.rt.cfg.worker_id, 0)
+            self.budgets[msg.publisher_id] = StealBudget(float(tokens), now)
+
+    # ---------------------------------------------------------------- policies
+    def _queue_view(self, jobs: list[PrefillJob]) -> list[QueuedRequest]:
+        ttft_s = self.policy.ttft_s
+        return [
+            QueuedRequest(j.request_id, j.deadline_s - ttft_s, j.prompt_len, j.msg.decode_worker_id)
+            for j in jobs
+        ]
+
+    def split_plan(self, jobs: list[PrefillJob], now_s: float) -> dict[str, int]:
+        """Algorithm 1 over ``jobs`` (head first); returns request id -> suffix tokens."""
+        forced = self.rt.cfg.force_steal_ratio
+        if forced >= 0:
+            head = jobs[0]
+            return {head.request_id: int(forced * head.prompt_len)}
+        plan = select_steal_ratios(
+            self._queue_view(jobs), self.budgets, self.profile, self.policy, now_s
+        )
+        return {jobs[i].request_id: n for i, n in plan.stolen_tokens.items()}
+
+    def suffix_allowance(self, prefill_worker_id: str, context_tokens: int) -> int:
+        """Decode-side re-check: the suffix tokens we accept from that prefill worker now."""
+        if self.rt.cfg.force_steal_ratio >= 0:
+            return 1 << 30
+        self._refresh_decode()
+        return int(self.steal_budget_tokens)
+
+    # ----------------------------------------------------------------- outbound
+    def _decode_load(self) -> DecodeLoad:
+        dec = self.rt.decode
+        bm = self.rt.engine.block_manager
+        active_tokens = sum(r.seq.num_tokens for r in dec.runnable)
+        reserved_tokens = bm.num_reserved_blocks * bm.block_size
+        return DecodeLoad(
+            bm.num_blocks * bm.block_size, active_tokens, reserved_tokens, len(dec.runnable)
+        )
+
+    def _refresh_decode(self) -> None:
+        now = time.monotonic()
+        peers = [p for p, seen in self.prefill_peers.items() if now - seen < _PEER_FRESH_S]
+        pressure = decode_pressure(
+            self._decode_load(),
+            self.profile,
+            self.policy,
+            max(1, len(peers)),
+            max_batch=self.rt.cfg.max_num_seqs,
+        )
+        self.dpi_load = pressure.dpi_load
+        self.dpi_adm = pressure.dpi_adm
+        self.steal_budget_tokens = pressure.steal_budget_tokens if self.rt.role == "decode" else 0
+
+    def _refresh_prefill(self) -> None:
+        pf = self.rt.prefill
+        jobs = list(pf.queue)
+        running_s = 0.0
+        if pf.current is not None:
+            running_s = self.profile.prefill_time_s(pf.current.prompt_len)
+        self.ppi = queue_ppi(
+            self._queue_view(jobs),
+            self.profile,
+            self.policy,
+            time.monotonic(),
+            running_remaining_s=running_s,
+        )
+
+    def snapshot(self) -> WorkerTelemetry:
+        rt = self.rt
+        self._refresh_decode()
+        self._refresh_prefill()
+        now = time.monotonic()
+        budgets: dict[str, int] = {}
+        if rt.role == "decode":
+            budgets = {
+                p: int(self.steal_budget_tokens)
+                for p, seen in self.prefill_peers.items()
+                if now - seen < _PEER_FRESH_S
+            }
+        bm = rt.engine.block_manager
+        dec, pf = rt.decode, rt.prefill
+        return WorkerTelemetry(
+            publisher_id=rt.cfg.worker_id,
+            epoch=rt.sequencer.epoch,
+            seq=rt.sequencer.next_seq("telemetry"),
+            time_s=time.time(),
+            role=rt.role,
+            state=rt.state,
+            queue_len=pf.queue_len,
+            running=dec.num_running,
+            free_blocks=bm.num_free_blocks,
+            total_blocks=bm.num_blocks,
+            ppi=self.ppi,
+            dpi_load=self.dpi_load,
+            dpi_adm=self.dpi_adm,
+            steal_budgets=budgets,
+            stolen_tokens_total=dec.stolen_tokens_total + pf.handed_off_tokens_total,
+            metrics={
+                "decode_stolen_tokens_total": float(dec.stolen_tokens_total),
+                "prefill_handed_off_tokens_total": float(pf.handed_off_tokens_total),
+                "split_requests_total": float(pf.split_requests_total),
+                "refused_steals_total": float(dec.refused_steals_total),
+                "reserved_blocks": float(bm.num_reserved_blocks),
+                "receiving": float(dec.num_receiving),
+                "decode_iterations_total": float(dec.iterations_total),
+                "prefills_total": float(pf.prefills_total),
+                "pid": float(__import__("os").getpid()),
+            },
+        )
+
+    async def _publish_loop(self) -> None:
+        rt = self.rt
+        interval = rt.cfg.telemetry_interval_s
+        while True:
+            try:
+                msg = self.snapshot()
+                await rt.bus.publish(rt.subjects.telemetry(rt.role, rt.cfg.worker_id), msg)
+            except Exception:
+                log.exception("telemetry_publish_failed", worker_id=rt.cfg.worker_id)
+            await asyncio.sleep(interval)  # a period, not a synchronisation
+
+    def describe(self) -> dict[str, Any]:
+        return {"ppi": self.ppi, "dpi_load": self.dpi_load, "dpi_adm": self.dpi_adm}

@@ -1,0 +1,115 @@
+"""Every NATS subject of FluidPD. No subject string is spelled anywhere else.
+
+Subjects are ``<prefix>.<...>``; the prefix (default ``fluidpd``) lets several clusters
+share one NATS server. Ids (worker, router) are single subject tokens: letters, digits,
+``_`` and ``-``; ``"*"`` is accepted as an id to build a subscription wildcard.
+docs/subjects.md describes each subject (direction, payload, rate, CLI examples).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from shared.messages.common import ROLES
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+WILDCARD = "*"
+
+# verbs of worker.<id>.<verb>
+WORKER_VERBS = ("prefill", "admit", "handoff", "cancel", "switch", "migrate")
+
+
+def check_id(value: str, what: str = "id") -> str:
+    """Return ``value`` if it is a valid subject token (or ``*``); raise ValueError."""
+    if value != WILDCARD and not _ID_RE.match(value):
+        raise ValueError(f"invalid {what} {value!r}: use letters, digits, '_' or '-'")
+    return value
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """Subject names under one prefix. Immutable; methods are pure."""
+
+    prefix: str = "fluidpd"
+
+    def __post_init__(self) -> None:
+        if not _PREFIX_RE.match(self.prefix):
+            raise ValueError(f"invalid subject prefix {self.prefix!r}")
+
+    def _worker(self, worker_id: str, verb: str) -> str:
+        return f"{self.prefix}.worker.{check_id(worker_id, 'worker id')}.{verb}"
+
+    # --- requests to one worker -------------------------------------------------------
+    def worker_prefill(self, worker_id: str) -> str:
+        return self._worker(worker_id, "prefill")
+
+    def worker_admit(self, worker_id: str) -> str:
+        return self._worker(worker_id, "admit")
+
+    def worker_handoff(self, worker_id: str) -> str:
+        return self._worker(worker_id, "handoff")
+
+    def worker_cancel(self, worker_id: str) -> str:
+        return self._worker(worker_id, "cancel")
+
+    def worker_switch(self, worker_id: str) -> str:
+        return self._worker(worker_id, "switch")
+
+    def worker_migrate(self, worker_id: str) -> str:
+        return self._worker(worker_id, "migrate")
+
+    # --- streams ------------------------------------------------------------------------
+    def router_tokens(self, router_id: str) -> str:
+        return f"{self.prefix}.router.{check_id(router_id, 'router id')}.tokens"
+
+    def telemetry(self, role: str, worker_id: str) -> str:
+        if role != WILDCARD and role not in ROLES:
+            raise ValueError(f"invalid role {role!r}")
+        return f"{self.prefix}.telemetry.{role}.{check_id(worker_id, 'worker id')}"
+
+    def telemetry_all(self) -> str:
+        """Wildcard over every worker's telemetry (both roles)."""
+        return f"{self.prefix}.telemetry.>"
+
+    def events(self, worker_id: str) -> str:
+        return f"{self.prefix}.events.{check_id(worker_id, 'worker id')}"
+
+    # --- controller ---------------------------------------------------------------------
+    def controller_status(self) -> str:
+        return f"{self.prefix}.controller.status"
+
+    def controller_policy(self) -> str:
+        return f"{self.prefix}.controller.policy"
+
+    def controller_decisions(self) -> str:
+        return f"{self.prefix}.controller.decisions"
+
+    # --- registry -----------------------------------------------------------------------
+    def registry_bucket(self) -> str:
+        """JetStream KV bucket of worker records (``fluidpd_registry`` by default)."""
+        return self.prefix.replace(".", "_") + "_registry"
+
+    # --- metrics labels -----------------------------------------------------------------
+    def pattern(self, subject: str) -> str:
+        """A bounded-cardinality label for ``subject``: ids replaced by ``*``.
+
+        E.g. ``fluidpd.worker.w3.switch`` → ``worker.*.switch``; unknown → ``other``.
+        """
+        head = self.prefix + "."
+        if not subject.startswith(head):
+            return "other"
+        parts = subject[len(head) :].split(".")
+        match parts:
+            case ["worker", _, verb] if verb in WORKER_VERBS:
+                return f"worker.*.{verb}"
+            case ["router", _, "tokens"]:
+                return "router.*.tokens"
+            case ["telemetry", role, _] if role in ROLES:
+                return f"telemetry.{role}.*"
+            case ["events", _]:
+                return "events.*"
+            case ["controller", ("status" | "policy" | "decisions") as what]:
+                return f"controller.{what}"
+        return "other"

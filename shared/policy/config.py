@@ -1,0 +1,129 @@
+"""PolicyConfig: every SLO and threshold of FluidToken and FluidRole in one place, per model.
+
+Defaults follow the paper where it gives a value: η = 1.25, PPI_low = 0.6, PPI_high = 1.0,
+DPI_load^high = 0.6, DPI_adm^high = 0.2 (§V-F); TTFT 2000 ms / TPOT 100 ms (Llama-3.1-8B,
+§V-A). N_persist, T_cooldown, the window and ε are not given in the paper; ours are chosen
+for a 1 s decision interval and documented on each field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from shared.policy.errors import PolicyConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Immutable; validated on construction (raises PolicyConfigError)."""
+
+    model: str = ""
+    # SLOs.
+    ttft_ms: float = 2000.0  # S_TTFT (eq. 1)
+    tpot_ms: float = 100.0  # S_TPOT (eq. 14)
+    # FluidToken.
+    eta: float = 1.25  # η, slack multiplier (eq. 15–16)
+    ppi_epsilon_ms: float = 1.0  # ε of eq. 4/11: floor of the remaining-budget denominator
+    budget_stale_ms: float = 100.0  # a steal budget older than this counts as 0 (≈5 publishes)
+    budget_context_tokens: int = 0  # L_ctx assumed when inverting T_sfx for the budget (eq. 16)
+    max_steal_ratio: float = 1.0  # cap on β_i; 1.0 = the paper (whole prompt may be stolen)
+    # FluidRole (eq. 20–23).
+    ppi_low: float = 0.6
+    ppi_high: float = 1.0
+    dpi_load_high: float = 0.6  # also the FluidToken eligibility bound of eq. 12/17
+    dpi_adm_high: float = 0.2
+    n_persist: int = 3  # consecutive agreeing decision intervals before a switch
+    cooldown_s: float = 20.0  # T_cooldown after a switch (D→P drain can take ~12 s, §V-H)
+    window_s: float = 5.0  # observation window of the PPI p95 (eq. 20)
+    decision_interval_s: float = 1.0  # how often the controller calls RolePolicy.decide
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "model":
+                if not isinstance(value, str):
+                    raise PolicyConfigError("policy config: model must be a string")
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise PolicyConfigError(f"policy config: {f.name} must be a number")
+            if not math.isfinite(value):
+                raise PolicyConfigError(f"policy config: {f.name} must be finite")
+        positive = (
+            "ttft_ms",
+            "tpot_ms",
+            "eta",
+            "ppi_epsilon_ms",
+            "budget_stale_ms",
+            "ppi_high",
+            "window_s",
+            "decision_interval_s",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise PolicyConfigError(f"policy config: {name} must be > 0")
+        for name in (
+            "ppi_low",
+            "dpi_load_high",
+            "dpi_adm_high",
+            "cooldown_s",
+            "budget_context_tokens",
+        ):
+            if getattr(self, name) < 0:
+                raise PolicyConfigError(f"policy config: {name} must be >= 0")
+        if not 0.0 <= self.max_steal_ratio <= 1.0:
+            raise PolicyConfigError("policy config: max_steal_ratio must be in [0, 1]")
+        if self.ppi_low > self.ppi_high:
+            raise PolicyConfigError("policy config: ppi_low must not exceed ppi_high")
+        if not isinstance(self.n_persist, int) or self.n_persist < 1:
+            raise PolicyConfigError("policy config: n_persist must be an int >= 1")
+        if not isinstance(self.budget_context_tokens, int):
+            raise PolicyConfigError("policy config: budget_context_tokens must be an int")
+
+    @property
+    def ttft_s(self) -> float:
+        return self.ttft_ms / 1000.0
+
+    @property
+    def tpot_s(self) -> float:
+        return self.tpot_ms / 1000.0
+
+    @property
+    def ppi_epsilon_s(self) -> float:
+        return self.ppi_epsilon_ms / 1000.0
+
+    @property
+    def budget_stale_s(self) -> float:
+        return self.budget_stale_ms / 1000.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> PolicyConfig:
+        """Build from a JSON object; unknown keys are an error (typos must not pass silently)."""
+        if not isinstance(doc, dict):
+            raise PolicyConfigError("policy config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(doc) - known)
+        if unknown:
+            raise PolicyConfigError(f"policy config: unknown keys {unknown}")
+        return cls(**doc)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> PolicyConfig:
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PolicyConfigError(f"policy config is not JSON: {exc}") from exc
+        return cls.from_dict(doc)
+
+    @classmethod
+    def load(cls, path: str | Path) -> PolicyConfig:
+        return cls.from_json(Path(path).read_text(encoding="utf-8"))

@@ -1,0 +1,208 @@
+"""FluidRole switching policy (paper §IV-C2, eq. 20–23) as a small state-holding class.
+
+The controller builds a ``ClusterSnapshot`` every decision interval (cfg.decision_interval_s)
+and calls ``RolePolicy.decide(snapshot, now_s)``; the returned ``Decision`` carries every
+input and the reason, for logging, whether or not it switches.
+
+Rules, in the order they are checked:
+
+1. paused (operator ``fluidpd ctl policy pause``) → no switch.
+2. a switch in progress (any worker in Drain or Switch) → no switch: one at a time.
+3. within T_cooldown of the last switch → no switch.
+   In 1–3 the persistence counter is reset, so a switch needs N_persist fresh intervals
+   after the cooldown (signals measured mid-transition do not count).
+4. aggregates over Active workers only: PPI̅ = max_p PPI^95(p) (eq. 20); DPI̅_load, DPI̅_adm =
+   means over decode workers (eq. 21). A role with no Active worker contributes 0.
+5. recommendation: D→P if PPI̅ > PPI_high ∧ DPI̅_load < DPI_load^high (eq. 22); else P→D if
+   DPI̅_adm > DPI_adm^high ∧ PPI̅ < PPI_low (eq. 23). Eq. 22 and 23 exclude each other when
+   PPI_low <= PPI_high. If prefill needs capacity (PPI̅ > PPI_high) but eq. 22's decode
+   guard fails (DPI̅_load >= DPI_load^high), both phases are pressured → no switch (reason
+   ``both_phases_pressured``: insufficient aggregate capacity, a case for admission control).
+   Decode pressured while prefill sits in the hysteresis band [PPI_low, PPI_high] →
+   ``prefill_not_idle``. The equations are applied literally: a high DPI̅_adm does not block
+   eq. 22 when DPI̅_load is below its threshold.
+6. the same recommendation must hold for N_persist consecutive intervals.
+7. never empty a role: the source role needs >= 2 Active workers.
+8. candidate with least expected drain: D→P — fewest active decode requests (the paper's
+   proxy), then fewest KV tokens in use; P→D — least running prefill work (tokens), then
+   shortest queue. Ties break on worker id, so decisions are deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from shared.policy.config import PolicyConfig
+
+PREFILL = "prefill"
+DECODE = "decode"
+ACTIVE = "active"
+DRAIN = "drain"
+SWITCH = "switch"
+
+NONE = "none"
+D2P = "decode_to_prefill"
+P2D = "prefill_to_decode"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """What the controller knows about one worker. Fields of the other role are ignored."""
+
+    worker_id: str
+    role: str  # PREFILL | DECODE (the role it serves now, or is leaving while draining)
+    state: str = ACTIVE  # ACTIVE | DRAIN | SWITCH
+    ppi_p95: float = 0.0  # prefill: PPI^95(p) over the window (eq. 20)
+    dpi_load: float = 0.0  # decode: eq. 7
+    dpi_adm: float = 0.0  # decode: eq. 8
+    active_decode_requests: int = 0  # decode: D→P drain proxy
+    kv_active_tokens: int = 0  # decode: tie-break for D→P
+    running_prefill_tokens: int = 0  # prefill: P→D drain (prefill it must finish)
+    queue_len: int = 0  # prefill: requests to reassign on P→D
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSnapshot:
+    workers: tuple[WorkerView, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """One decision interval's outcome. ``action`` is NONE, D2P or P2D; ``worker_id`` and
+    ``target_role`` are set only when switching. ``recommendation`` is what eq. 22/23 say
+    this interval (NONE, D2P or P2D), ``persist_count`` how many consecutive intervals it held.
+    """
+
+    now_s: float
+    action: str
+    worker_id: str | None
+    target_role: str | None
+    reason: str
+    recommendation: str
+    persist_count: int
+    ppi_bar: float
+    dpi_load_bar: float
+    dpi_adm_bar: float
+    active_prefill: int
+    active_decode: int
+
+    @property
+    def switches(self) -> bool:
+        return self.action != NONE
+
+    def to_log(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def aggregate_pressure(workers: Sequence[WorkerView]) -> tuple[float, float, float, int, int]:
+    """Eq. 20–21 over Active workers: (PPI̅, DPI̅_load, DPI̅_adm, n_prefill, n_decode)."""
+    ppi_bar = 0.0
+    load_sum = adm_sum = 0.0
+    n_p = n_d = 0
+    for w in workers:
+        if w.state != ACTIVE:
+            continue
+        if w.role == PREFILL:
+            n_p += 1
+            ppi_bar = max(ppi_bar, w.ppi_p95)
+        elif w.role == DECODE:
+            n_d += 1
+            load_sum += w.dpi_load
+            adm_sum += w.dpi_adm
+    return (ppi_bar, load_sum / n_d if n_d else 0.0, adm_sum / n_d if n_d else 0.0, n_p, n_d)
+
+
+def recommend(
+    ppi_bar: float, dpi_load_bar: float, dpi_adm_bar: float, cfg: PolicyConfig
+) -> tuple[str, str]:
+    """Eq. 22–23 plus the both-pressured rule: (recommendation, reason)."""
+    if ppi_bar > cfg.ppi_high and dpi_load_bar < cfg.dpi_load_high:
+        return D2P, "eq22_prefill_pressure"
+    if dpi_adm_bar > cfg.dpi_adm_high and ppi_bar < cfg.ppi_low:
+        return P2D, "eq23_decode_admission_pressure"
+    if ppi_bar > cfg.ppi_high:
+        return NONE, "both_phases_pressured"
+    if dpi_adm_bar > cfg.dpi_adm_high:
+        return NONE, "prefill_not_idle"
+    return NONE, "balanced"
+
+
+def pick_candidate(workers: Sequence[WorkerView], action: str) -> WorkerView | None:
+    """The Active worker of the source role with the least expected drain (rule 8)."""
+    if action == D2P:
+        pool = [w for w in workers if w.state == ACTIVE and w.role == DECODE]
+        pool.sort(key=lambda w: (w.active_decode_requests, w.kv_active_tokens, w.worker_id))
+    elif action == P2D:
+        pool = [w for w in workers if w.state == ACTIVE and w.role == PREFILL]
+        pool.sort(key=lambda w: (w.running_prefill_tokens, w.queue_len, w.worker_id))
+    else:
+        return None
+    return pool[0] if pool else None
+
+
+class RolePolicy:
+    """Persistence counter, cooldown and last switch time around eq. 22–23. Mutable.
+
+    ``decide`` is the only state-changing call (besides ``paused``); it does no I/O. When it
+    returns a switch, it assumes the controller issues it at ``now_s`` (cooldown starts).
+    """
+
+    def __init__(self, cfg: PolicyConfig) -> None:
+        self.cfg = cfg
+        self.paused = False
+        self.last_switch_s: float | None = None
+        self._pending = NONE
+        self._count = 0
+
+    def decide(self, snapshot: ClusterSnapshot, now_s: float) -> Decision:
+        cfg = self.cfg
+        workers = snapshot.workers
+        ppi_bar, load_bar, adm_bar, n_p, n_d = aggregate_pressure(workers)
+        rec, reason = recommend(ppi_bar, load_bar, adm_bar, cfg)
+
+        def out(action: str, why: str, worker: WorkerView | None = None) -> Decision:
+            target = None
+            if worker is not None:
+                target = PREFILL if action == D2P else DECODE
+            return Decision(
+                now_s=now_s,
+                action=action,
+                worker_id=worker.worker_id if worker else None,
+                target_role=target,
+                reason=why,
+                recommendation=rec,
+                persist_count=self._count,
+                ppi_bar=ppi_bar,
+                dpi_load_bar=load_bar,
+                dpi_adm_bar=adm_bar,
+                active_prefill=n_p,
+                active_decode=n_d,
+            )
+
+        gate = None
+        if self.paused:
+            gate = "paused"
+        elif any(w.state != ACTIVE for w in workers):
+            gate = "switch_in_progress"
+        elif self.last_switch_s is not None and now_s - self.last_switch_s < cfg.cooldown_s:
+            gate = "cooldown"
+        if gate is not None or rec == NONE:
+            self._pending, self._count = NONE, 0
+            return out(NONE, gate or reason)
+
+        self._count = self._count + 1 if rec == self._pending else 1
+        self._pending = rec
+        if self._count < cfg.n_persist:
+            return out(NONE, f"persisting_{self._count}_of_{cfg.n_persist}")
+        source_active = n_d if rec == D2P else n_p
+        if source_active < 2:
+            return out(NONE, "would_empty_role")
+        candidate = pick_candidate(workers, rec)
+        if candidate is None:  # unreachable: source_active >= 2
+            return out(NONE, "no_candidate")
+        decision = out(rec, reason, candidate)
+        self.last_switch_s = now_s
+        self._pending, self._count = NONE, 0
+        return decision

@@ -1,0 +1,249 @@
+"""Pressure signals of FluidPD (paper §IV-B2/B3): PPI, DPI, TPOT slack, steal budget.
+
+Pure functions over plain numbers and small dataclasses; every function names the equation
+it implements. Times are seconds, sizes are tokens. ``now_s`` is always passed in.
+
+Symbols: S_TTFT, S_TPOT — SLOs; L_i — prompt length of queued request i; t_i^arr — arrival;
+C_d^KV / C_d^active / C_d^reserved — KV capacity / occupied by active decodes / reserved for
+admitted requests awaiting transfer or execution; N_d^active — decode batch size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from shared.policy.config import PolicyConfig
+from shared.policy.errors import PolicyConfigError
+from shared.policy.predictors import LatencyProfile
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    """One request waiting on a prefill worker, as the policy sees it.
+
+    ``decode_id`` names the decode worker the router paired it with (π_{i,d} = 1).
+    """
+
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    decode_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeLoad:
+    """Engine state of one decode worker d (inputs of eq. 6–8, 13–14)."""
+
+    kv_capacity_tokens: int  # C_d^KV
+    kv_active_tokens: int  # C_d^active (also the aggregate context C of eq. 13)
+    kv_reserved_tokens: int  # C_d^reserved
+    active_requests: int  # N_d^active
+
+    def __post_init__(self) -> None:
+        # C_KV divides eq. 7–8; a worker without KV capacity cannot be a decode worker.
+        if self.kv_capacity_tokens <= 0:
+            raise PolicyConfigError("DecodeLoad: kv_capacity_tokens must be > 0")
+        if min(self.kv_active_tokens, self.kv_reserved_tokens, self.active_requests) < 0:
+            raise PolicyConfigError("DecodeLoad: token and request counts must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePressure:
+    """Everything a decode worker derives from its load and advertises (eq. 6–8, 14, 16, 17)."""
+
+    dpi_load: float
+    dpi_adm: float
+    kv_alloc_tokens: int
+    n_tpot: int
+    tpot_slack_s: float
+    max_suffix_tokens: float
+    steal_budget_tokens: float
+
+
+def prefill_deadline_s(arrival_s: float, ttft_s: float) -> float:
+    """Eq. 1: t_i^ddl = t_i^arr + S_TTFT."""
+    return arrival_s + ttft_s
+
+
+def request_ppis(
+    queue: Sequence[QueuedRequest],
+    profile: LatencyProfile,
+    cfg: PolicyConfig,
+    now_s: float,
+    *,
+    running_remaining_s: float = 0.0,
+) -> list[float]:
+    """Eq. 3–4 for each queued request, in the given scheduling order:
+
+        PPI_i = Σ_{k<=i} T_pre(L_k) / max(t_i^ddl − t_now, ε)
+
+    ε (cfg.ppi_epsilon_ms) keeps the denominator positive once a deadline has passed, so an
+    expired request shows a large (not negative or infinite) pressure. Extension: the
+    predicted remaining time of the prefill already executing, ``running_remaining_s``, is
+    added to every sum (the paper's eq. 3 starts from an idle worker; 0 reproduces it).
+    """
+    c1, c0 = profile.prefill_c1_s_per_token, profile.prefill_c0_s
+    ttft_s, eps_s = cfg.ttft_s, cfg.ppi_epsilon_s
+    cum = running_remaining_s
+    out = []
+    for r in queue:
+        cum += c1 * r.prompt_tokens + c0
+        remaining = r.arrival_s + ttft_s - now_s
+        out.append(cum / (remaining if remaining > eps_s else eps_s))
+    return out
+
+
+def queue_ppi(
+    queue: Sequence[QueuedRequest],
+    profile: LatencyProfile,
+    cfg: PolicyConfig,
+    now_s: float,
+    *,
+    running_remaining_s: float = 0.0,
+) -> float:
+    """Eq. 5: PPI = max_i PPI_i over the inspected queue (0.0 for an empty queue).
+
+    Same terms as ``request_ppis``, without building the list (hot path).
+    """
+    c1, c0 = profile.prefill_c1_s_per_token, profile.prefill_c0_s
+    ttft_s, eps_s = cfg.ttft_s, cfg.ppi_epsilon_s
+    cum = running_remaining_s
+    worst = 0.0
+    for r in queue:
+        cum += c1 * r.prompt_tokens + c0
+        remaining = r.arrival_s + ttft_s - now_s
+        p = cum / (remaining if remaining > eps_s else eps_s)
+        if p > worst:
+            worst = p
+    return worst
+
+
+def kv_alloc_tokens(load: DecodeLoad) -> int:
+    """Eq. 6: C_d^alloc = C_d^KV − C_d^active − C_d^reserved (may be negative if over-committed)."""
+    return load.kv_capacity_tokens - load.kv_active_tokens - load.kv_reserved_tokens
+
+
+def n_tpot(
+    load: DecodeLoad, profile: LatencyProfile, cfg: PolicyConfig, max_batch: int | None = None
+) -> int:
+    """N_d^TPOT of eq. 7 at this worker's mean context per sequence c̄ = C_active / N_active
+    (c̄ = 0 for an idle worker, where the ratio in eq. 7 is 0 anyway)."""
+    mean_ctx = load.kv_active_tokens / load.active_requests if load.active_requests > 0 else 0.0
+    return profile.max_tpot_batch(cfg.tpot_s, mean_ctx, max_batch)
+
+
+def dpi_load(load: DecodeLoad, n_tpot_batch: int) -> float:
+    """Eq. 7: DPI_d,load = max(C_active / C_KV, N_active / N_TPOT).
+
+    N_TPOT = 0 (no batch meets the SLO) is treated as 1 so the value stays finite and >= N.
+    """
+    kv_frac = load.kv_active_tokens / load.kv_capacity_tokens
+    batch_frac = load.active_requests / (n_tpot_batch if n_tpot_batch > 0 else 1)
+    return kv_frac if kv_frac > batch_frac else batch_frac
+
+
+def dpi_adm(load: DecodeLoad) -> float:
+    """Eq. 8: DPI_d,adm = 1 − C_alloc / C_KV (fraction occupied or reserved)."""
+    return 1.0 - kv_alloc_tokens(load) / load.kv_capacity_tokens
+
+
+def tpot_slack_s(load: DecodeLoad, profile: LatencyProfile, cfg: PolicyConfig) -> float:
+    """Eq. 14: Δ_d^TPOT = S_TPOT − T_iter(N_active, C_active) (negative when over the SLO)."""
+    return cfg.tpot_s - profile.decode_iter_time_s(load.active_requests, load.kv_active_tokens)
+
+
+def max_suffix_tokens(slack_s: float, profile: LatencyProfile, cfg: PolicyConfig) -> float:
+    """Eq. 15–16: L_d,max^{sfx,TPOT} = T_sfx⁻¹(η·Δ_d^TPOT); 0 when the slack is <= 0.
+
+    T_sfx depends on the context the suffix runs on, unknown when the budget is advertised;
+    cfg.budget_context_tokens is the L_ctx assumed (0 = the paper's one-argument T_sfx).
+    """
+    if slack_s <= 0.0:
+        return 0.0
+    return profile.suffix_tokens_for(cfg.eta * slack_s, cfg.budget_context_tokens)
+
+
+def steal_budget_tokens(
+    dpi_load_value: float, max_suffix: float, n_paired_prefill: int, cfg: PolicyConfig
+) -> float:
+    """Eq. 17 (with the eligibility test of eq. 12):
+
+        B_d^steal = 0                      if DPI_d,load >= DPI_load^high
+                    L_d,max^{sfx,TPOT}/|P| otherwise
+
+    |P| = ``n_paired_prefill``, the prefill workers paired with d (0 → budget 0).
+    """
+    if dpi_load_value >= cfg.dpi_load_high or n_paired_prefill <= 0:
+        return 0.0
+    return max_suffix / n_paired_prefill
+
+
+def decode_pressure(
+    load: DecodeLoad,
+    profile: LatencyProfile,
+    cfg: PolicyConfig,
+    n_paired_prefill: int,
+    *,
+    max_batch: int | None = None,
+) -> DecodePressure:
+    """All decode-side signals at once (eq. 6, 7, 8, 14, 16, 17); the decode worker publishes
+    ``steal_budget_tokens`` (with its timestamp) for the prefill workers paired with it."""
+    n_max = n_tpot(load, profile, cfg, max_batch)
+    load_v = dpi_load(load, n_max)
+    slack = tpot_slack_s(load, profile, cfg)
+    l_max = max_suffix_tokens(slack, profile, cfg)
+    return DecodePressure(
+        dpi_load=load_v,
+        dpi_adm=dpi_adm(load),
+        kv_alloc_tokens=kv_alloc_tokens(load),
+        n_tpot=n_max,
+        tpot_slack_s=slack,
+        max_suffix_tokens=l_max,
+        steal_budget_tokens=steal_budget_tokens(load_v, l_max, n_paired_prefill, cfg),
+    )
+
+
+def prefix_deadline_s(
+    deadline_s: float, suffix_tokens: float, prompt_tokens: float, profile: LatencyProfile
+) -> float:
+    """Eq. 9: t_i^{pfx-ddl} = t_i^ddl − T_sfx(L_sfx,i), the suffix running on the prefix
+    context L_ctx = L_i − L_sfx,i. Equals t_i^ddl when nothing is stolen."""
+    return deadline_s - profile.suffix_time_s(suffix_tokens, prompt_tokens - suffix_tokens)
+
+
+def token_deficit(
+    prefix_work_s: float, prefix_deadline: float, now_s: float, profile: LatencyProfile
+) -> float:
+    """Eq. 19: X_i = (Σ_{k<=i} T_pfx(L_pfx,k) − (t_i^{pfx-ddl} − t_now)) / c1.
+
+    ``prefix_work_s`` is the sum Σ_{k<=i} T_pfx(L_pfx,k). X_i <= 0: request i is predicted to
+    meet its deadline; otherwise X_i tokens must leave the prefill queue ahead of it.
+    """
+    return (prefix_work_s - (prefix_deadline - now_s)) / profile.prefill_c1_s_per_token
+
+
+def ppi_steal_values(
+    queue: Sequence[QueuedRequest],
+    stolen_tokens: Mapping[int, int],
+    profile: LatencyProfile,
+    cfg: PolicyConfig,
+    now_s: float,
+    *,
+    running_remaining_s: float = 0.0,
+) -> list[float]:
+    """Eq. 11: PPI_i^steal = Σ_{k<=i} T_pfx(L_pfx,k) / max(t_i^{pfx-ddl} − t_now, ε).
+
+    ``stolen_tokens`` maps queue index → L_sfx (absent = 0). A plan is TTFT-schedulable
+    (eq. 10) when every value is <= 1. Used to check plans, not on the hot path.
+    """
+    ttft_s, eps_s = cfg.ttft_s, cfg.ppi_epsilon_s
+    cum = running_remaining_s
+    out = []
+    for i, r in enumerate(queue):
+        sfx = stolen_tokens.get(i, 0)
+        cum += profile.prefix_time_s(r.prompt_tokens - sfx)
+        pfx_ddl = prefix_deadline_s(r.arrival_s + ttft_s, sfx, r.prompt_tokens, profile)
+        remaining = pfx_ddl - now_s
+        out.append(cum / (remaining if remaining > eps_s else eps_s))
+    return out

@@ -1,0 +1,388 @@
+"""Receiving side: reserve, receive straight into the arena, validate, install atomically.
+
+``prepare`` reserves blocks and returns a sealed-able ticket for the sender; ``receive``
+owns the reservation from then on and ends in exactly one of two ways:
+
+- every segment arrived and the envelope, trailer, generations and checksums validated
+  -> ``BlockManager.install`` in one step (the request becomes runnable), ok verdict sent;
+- anything else (rejection, sender abort, deadline, transport error, local cancellation)
+  -> ``cancel_reservation``; every posted UCX receive into the arena is cancelled and its
+  pin (begin_receive) released only once UCX reports it complete, so a late write can
+  never land in blocks that another request owns. Blocks are zeroed on free when the
+  BlockManager was built with ``zero_fn=arena.zero_blocks`` (kv_zero_on_free).
+
+Segments land directly in ``arena.run_bytes`` views: zero copies on this side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.engine.block_manager import BlockManager
+from shared.engine.kv_arena import KVArena
+from shared.transfer import protocol as proto
+from shared.transfer.envelope import (
+    PROTOCOL_VERSION,
+    Envelope,
+    KVFingerprint,
+    TransferTicket,
+    block_checksums,
+    decode_abort,
+    decode_trailer,
+    encode_verdict,
+)
+from shared.transfer.errors import (
+    TransferAborted,
+    TransferError,
+    TransferRejected,
+    TransferTimeout,
+)
+from shared.transfer.ucx_node import TransferNode
+
+log = logging.getLogger(__name__)
+
+_INLINE_HASH_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ReceivedKV:
+    """An installed transfer: ``seq_id`` owns ``block_ids`` and is runnable."""
+
+    request_id: str
+    seq_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    meta: Mapping[str, Any]
+    src_worker_id: str
+    transport: str
+    kv_bytes: int
+    num_segments: int
+    timings_ms: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Inbound:
+    ticket: TransferTicket
+    pinned: list[Any] = field(default_factory=list)  # segment receives (begin_receive'd)
+    control: list[Any] = field(default_factory=list)  # envelope/trailer/abort receives
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    envelope: Envelope | None = None
+    segments_done: int = 0
+    sender_aborted: bool = False
+
+
+class KVReceiver:
+    """Receives KV for one worker into its arena, under its block manager."""
+
+    def __init__(
+        self,
+        node: TransferNode,
+        *,
+        worker_id: str,
+        block_manager: BlockManager,
+        arena: KVArena,
+        fingerprint: KVFingerprint,
+        secret: bytes,
+        verify_checksums: bool = True,
+    ) -> None:
+        if not secret:
+            raise ValueError("a cluster secret is required")
+        if block_manager.block_size != arena.block_size:
+            raise ValueError("block manager and arena disagree on block_size")
+        self.node = node
+        self.worker_id = worker_id
+        self.bm = block_manager
+        self.arena = arena
+        self.fingerprint_digest = fingerprint.digest()
+        self._secret = secret
+        self.verify_checksums = verify_checksums
+        self._active: set[int] = set()
+        self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-recv-hash")
+        self._drains: set[asyncio.Task[None]] = set()
+
+    def prepare(
+        self, request_id: str, *, num_tokens: int, num_blocks: int | None = None
+    ) -> TransferTicket:
+        """Reserve blocks for ``num_tokens`` tokens (at least; ``num_blocks`` may add room
+        to decode into) and return the ticket the sender needs.
+
+        Raises NoFreeBlocksError (nothing changed). The caller must then call ``receive``
+        or ``release`` with the ticket.
+        """
+        needed = self.bm.blocks_for_tokens(num_tokens)
+        res = self.bm.reserve(request_id, max(needed, num_blocks or 0))
+        tid = proto.new_transfer_id(self._active)
+        self._active.add(tid)
+        return TransferTicket(
+            transfer_id=tid,
+            request_id=request_id,
+            dst_worker_id=self.worker_id,
+            dst_address=self.node.address,
+            dst_host_id=self.node.host_id,
+            block_ids=res.block_ids,
+            generations=res.generations,
+            token_start=0,
+            token_end=num_tokens,
+            block_size=self.bm.block_size,
+            block_nbytes=self.arena.block_nbytes,
+        )
+
+    def release(self, ticket: TransferTicket) -> None:
+        """Give up a prepared ticket whose ``receive`` was never started."""
+        self._active.discard(ticket.transfer_id)
+        self.bm.cancel_reservation(ticket.request_id)
+
+    def encode_ticket(self, ticket: TransferTicket) -> bytes:
+        return ticket.encode(self._secret)
+
+    async def receive(
+        self, ticket: TransferTicket, *, timeout_s: float, seq_id: str | None = None
+    ) -> ReceivedKV:
+        """Wait for the transfer of ``ticket`` and install it as ``seq_id`` (default: the
+        request id). Raises TransferRejected / TransferAborted / TransferTimeout /
+        TransportError; on any exception the reservation is released as described above.
+        """
+        st = _Inbound(ticket)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        error: TransferError | None = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self._receive(st, seq_id or ticket.request_id, t0)
+        except TimeoutError:
+            n_seg = len(st.envelope.segments) if st.envelope else 0
+            error = TransferTimeout(
+                f"receiver deadline exceeded ({st.segments_done}/{n_seg} segments)",
+                request_id=ticket.request_id,
+            )
+            raise error from None
+        except TransferError as exc:
+            error = exc
+            raise
+        except asyncio.CancelledError:
+            error = TransferAborted("cancelled by receiver", request_id=ticket.request_id)
+            raise
+        except Exception as exc:  # a bug or a BlockStateError: still free everything
+            error = TransferError(
+                f"internal error {type(exc).__name__}", request_id=ticket.request_id
+            )
+            raise
+        finally:
+            if error is not None:
+                await self._fail(st, error)
+            self._active.discard(ticket.transfer_id)
+
+    # ------------------------------------------------------------------ internals
+    async def _receive(self, st: _Inbound, seq_id: str, t0: float) -> ReceivedKV:
+        ticket, node, loop = st.ticket, self.node, asyncio.get_running_loop()
+        tid, n = ticket.transfer_id, ticket.num_blocks
+        dst = ticket.block_ids[:n]
+        env_buf = bytearray(proto.envelope_capacity(n))
+        abort_buf = bytearray(proto.CONTROL_CAPACITY)
+        env_req = node.post_recv(env_buf, proto.tag(tid, proto.ENVELOPE_TAG))
+        abort_req = node.post_recv(abort_buf, proto.tag(tid, proto.ABORT_TAG))
+        st.control += [env_req, abort_req]
+        abort_task = asyncio.create_task(node.wait(abort_req))
+        env_task = asyncio.create_task(node.wait(env_req))
+        st.tasks += [abort_task, env_task]
+        await self._race(st, env_task, abort_task, abort_buf)
+        env, env_mac = Envelope.decode(env_buf, self._secret)
+        st.envelope = env
+        self._check_envelope(ticket, env, dst)
+        t_env = loop.time()
+
+        sums: list[list[int]] = [[] for _ in env.segments]
+        for k, (first, count) in enumerate(env.segments):
+            view = self.arena.run_bytes(dst[first], count)
+            self.bm.begin_receive(ticket.request_id)
+            try:
+                req = node.post_recv(view, proto.segment_tag(tid, k))
+            except BaseException:
+                self.bm.end_receive(ticket.request_id)
+                raise
+            st.pinned.append(req)
+            st.tasks.append(asyncio.create_task(self._segment(st, req, view, sums, k)))
+        trailer_buf = bytearray(proto.trailer_capacity(n))
+        trailer_req = node.post_recv(trailer_buf, proto.tag(tid, proto.TRAILER_TAG))
+        st.control.append(trailer_req)
+        data = asyncio.gather(*st.tasks[2:], node.wait(trailer_req))
+        await self._race(st, data, abort_task, abort_buf)
+        t_data = loop.time()
+
+        expected = decode_trailer(trailer_buf, tid, env_mac, self._secret)
+        if self.verify_checksums:
+            got = [c for part in sums for c in part]
+            if expected != got:
+                bad = (
+                    next(i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b)
+                    if len(expected) == len(got)
+                    else -1
+                )
+                raise TransferRejected(
+                    f"checksum mismatch at logical block {bad}",
+                    request_id=ticket.request_id,
+                    retryable=True,
+                )
+        if self.bm.generations(dst) != env.generations:
+            raise TransferRejected(
+                "generation ids changed under the reservation",
+                request_id=ticket.request_id,
+                retryable=True,
+            )
+        t_valid = loop.time()
+        # Every segment receive is complete: drop the pins, then install in one step.
+        for _ in st.pinned:
+            self.bm.end_receive(ticket.request_id)
+        st.pinned.clear()
+        block_ids = self.bm.install(ticket.request_id, ticket.token_end, seq_id)
+        t_inst = loop.time()
+        abort_task.cancel()
+        await self._settle_control(st)
+        await self._send_verdict(env, True, "installed")
+        timings = {
+            "envelope_wait_ms": (t_env - t0) * 1e3,
+            "data_ms": (t_data - t_env) * 1e3,
+            "validate_ms": (t_valid - t_data) * 1e3,
+            "install_ms": (t_inst - t_valid) * 1e3,
+            "total_ms": (loop.time() - t0) * 1e3,
+        }
+        log.info(
+            "kv installed request=%s transfer=%x blocks=%d bytes=%d segments=%d src=%s ms=%.2f",
+            ticket.request_id,
+            tid,
+            n,
+            n * self.arena.block_nbytes,
+            len(env.segments),
+            env.src_worker_id,
+            timings["total_ms"],
+        )
+        return ReceivedKV(
+            request_id=ticket.request_id,
+            seq_id=seq_id,
+            block_ids=block_ids,
+            num_tokens=ticket.token_end,
+            meta=dict(env.meta),
+            src_worker_id=env.src_worker_id,
+            transport=node.transport_label(env.src_host_id),
+            kv_bytes=n * self.arena.block_nbytes,
+            num_segments=len(env.segments),
+            timings_ms=timings,
+        )
+
+    async def _segment(
+        self, st: _Inbound, req: Any, view: Any, sums: list[list[int]], k: int
+    ) -> None:
+        await self.node.wait(req)
+        st.segments_done += 1
+        if self.verify_checksums:
+            run = view.numpy()
+            if run.nbytes < _INLINE_HASH_BYTES:
+                sums[k] = block_checksums(run, self.arena.block_nbytes)
+            else:
+                loop = asyncio.get_running_loop()
+                sums[k] = await loop.run_in_executor(
+                    self._hash_pool, block_checksums, run, self.arena.block_nbytes
+                )
+
+    async def _race(
+        self, st: _Inbound, work: Any, abort_task: asyncio.Future[Any], abort_buf: bytearray
+    ) -> None:
+        """Await ``work`` unless the sender's abort arrives first (then raise)."""
+        work_f = asyncio.ensure_future(work)
+        # Whatever happens to us (deadline), its outcome is consumed: no "never retrieved".
+        work_f.add_done_callback(lambda f: f.cancelled() or f.exception())
+        done, _ = await asyncio.wait({work_f, abort_task}, return_when=asyncio.FIRST_COMPLETED)
+        if work_f in done:
+            work_f.result()
+            return
+        work_f.cancel()
+        with contextlib.suppress(BaseException):
+            await work_f
+        abort_task.result()
+        st.sender_aborted = True
+        reason = decode_abort(abort_buf, st.ticket.transfer_id, self._secret)
+        raise TransferAborted(
+            f"sender aborted: {reason}", request_id=st.ticket.request_id, retryable=True
+        )
+
+    def _check_envelope(self, ticket: TransferTicket, env: Envelope, dst: tuple[int, ...]) -> None:
+        def reject(reason: str) -> TransferRejected:
+            return TransferRejected(reason, request_id=ticket.request_id, retryable=True)
+
+        if env.version != PROTOCOL_VERSION:
+            raise reject(f"protocol version {env.version}")
+        if env.transfer_id != ticket.transfer_id or env.request_id != ticket.request_id:
+            raise reject("envelope names another transfer")
+        if env.dst_worker_id != self.worker_id:
+            raise reject("envelope addressed to another worker")
+        if env.fingerprint_digest != self.fingerprint_digest:
+            raise reject("model/layout fingerprint mismatch")
+        if (env.token_start, env.token_end) != (ticket.token_start, ticket.token_end):
+            raise reject("token range differs from the reservation")
+        if env.num_blocks != len(dst) or env.block_nbytes != self.arena.block_nbytes:
+            raise reject("block count or block size differs from the reservation")
+        if env.generations != ticket.generations[: len(dst)]:
+            raise reject("generation ids differ from the reservation")
+        if not proto.segments_valid(env.segments, dst):
+            raise reject("segments do not tile the reserved blocks")
+        if self.verify_checksums and not env.has_checksums:
+            raise reject("checksums required")
+
+    async def _settle_control(self, st: _Inbound) -> None:
+        for task in st.tasks:
+            task.cancel()
+        for req in st.control:
+            await self.node.settle(req)
+        st.control.clear()
+
+    async def _fail(self, st: _Inbound, error: TransferError) -> None:
+        owner = st.ticket.request_id
+        with contextlib.suppress(Exception):
+            self.bm.cancel_reservation(owner)
+        await self._settle_control(st)
+        for req in st.pinned:
+            if await self.node.settle(req):
+                self.bm.end_receive(owner)
+            else:  # still posted: keep the blocks pinned until UCX lets go of them
+                task = asyncio.create_task(self._drain(req, owner))
+                self._drains.add(task)
+                task.add_done_callback(self._drains.discard)
+        st.pinned.clear()
+        log.warning(
+            "kv receive failed request=%s transfer=%x error=%s segments_done=%d",
+            owner,
+            st.ticket.transfer_id,
+            error.code,
+            st.segments_done,
+        )
+        if st.envelope is not None and not st.sender_aborted:
+            await self._send_verdict(st.envelope, False, error.reason)
+
+    async def _drain(self, req: Any, owner: str) -> None:
+        while not await self.node.settle(req, grace_s=60.0):
+            log.warning("kv receive still posted after cancel owner=%s", owner)
+        self.bm.end_receive(owner)
+
+    async def _send_verdict(self, env: Envelope, ok: bool, reason: str) -> None:
+        """Best effort and bounded: the sender has its own deadline."""
+        try:
+            ep = await self.node.endpoint(env.src_address, env.src_host_id)
+            frame = encode_verdict(env.transfer_id, ok, reason, self._secret)
+            req = self.node.post_send(
+                ep, bytearray(frame), proto.tag(env.transfer_id, proto.VERDICT_TAG)
+            )
+            with contextlib.suppress(TimeoutError, TransferError):
+                async with asyncio.timeout(1.0):
+                    await self.node.wait(req)
+            await self.node.settle(req, grace_s=0.05)
+        except Exception:
+            log.warning("kv verdict not sent transfer=%x", env.transfer_id)
+
+    def close(self) -> None:
+        self._hash_pool.shutdown(wait=False)

@@ -1,0 +1,252 @@
+"""Sending side: move the blocks named by a ticket straight into the receiver's arena.
+
+Used for both prefill -> decode hand-off and live migration of a running decode request
+(the caller passes its arena, the sequence's block table and the ticket; it must keep the
+sequence from growing or being freed until ``on_source_released`` has been called).
+
+Message order: sealed envelope, then one message per segment (a run contiguous on both
+sides, sent from a contiguous view of our arena: zero copies on this side), then the
+sealed checksum trailer. Checksums of segment k+1 are computed (in a worker thread,
+xxhash releases the GIL) while segment k is on the wire. Then we wait for the receiver's
+sealed verdict.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.engine.kv_arena import KVArena
+from shared.transfer import protocol as proto
+from shared.transfer.envelope import (
+    Envelope,
+    KVFingerprint,
+    TransferTicket,
+    block_checksums,
+    decode_verdict,
+    encode_abort,
+    encode_trailer,
+)
+from shared.transfer.errors import TransferError, TransferRejected, TransferTimeout
+from shared.transfer.ucx_node import TransferNode
+
+log = logging.getLogger(__name__)
+
+_INLINE_HASH_BYTES = 1 << 20  # below this, a thread hop costs more than hashing inline
+
+
+@dataclass(frozen=True)
+class SendOutcome:
+    """The receiver installed the blocks: ownership moved, the source may be freed."""
+
+    request_id: str
+    transfer_id: int
+    num_blocks: int
+    kv_bytes: int
+    num_segments: int
+    transport: str
+    timings_ms: Mapping[str, float] = field(default_factory=dict)
+
+
+SegmentReady = Callable[[int, int], Awaitable[None]]
+
+
+class KVSender:
+    """Sends KV blocks for one worker. Stateless between calls apart from the hash thread."""
+
+    def __init__(
+        self,
+        node: TransferNode,
+        *,
+        worker_id: str,
+        fingerprint: KVFingerprint,
+        secret: bytes,
+        send_checksums: bool = True,
+    ) -> None:
+        if not secret:
+            raise ValueError("a cluster secret is required")
+        self.node = node
+        self.worker_id = worker_id
+        self.fingerprint_digest = fingerprint.digest()
+        self._secret = secret
+        self.send_checksums = send_checksums
+        self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-send-hash")
+
+    async def send(
+        self,
+        ticket: TransferTicket,
+        arena: KVArena,
+        src_block_ids: Sequence[int],
+        *,
+        timeout_s: float,
+        meta: Mapping[str, Any] | None = None,
+        checksums: Sequence[int] | None = None,
+        segment_ready: SegmentReady | None = None,
+        on_source_released: Callable[[], None] | None = None,
+    ) -> SendOutcome:
+        """Send blocks ``src_block_ids`` (logical order) for ``ticket``'s token range.
+
+        Does not mutate the arena. ``checksums``: per-block xxh3_64 the caller already has
+        (computed on the fly otherwise). ``segment_ready(first, count)`` is awaited before a
+        segment is sent (stream blocks as they are computed; tests pause here).
+        ``on_source_released`` is called exactly once, as soon as no UCX operation reads
+        the source blocks any more (success or failure).
+
+        Returns SendOutcome once the receiver installed. Raises TransferRejected (receiver
+        said no, retryable), TransferTimeout (retryable only if our last message was not
+        yet posted), TransportError, ValueError (arguments inconsistent with the ticket).
+        """
+        n = ticket.num_blocks
+        if len(src_block_ids) != n:
+            raise ValueError(f"ticket needs {n} blocks, got {len(src_block_ids)}")
+        if arena.block_nbytes != ticket.block_nbytes or arena.block_size != ticket.block_size:
+            raise TransferRejected(
+                "KV block layout differs from the receiver's", request_id=ticket.request_id
+            )
+        if checksums is not None and len(checksums) != n:
+            raise ValueError("one checksum per block required")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        tid = ticket.transfer_id
+        segments = proto.plan_segments(src_block_ids, ticket.block_ids[:n])
+        envelope = Envelope(
+            transfer_id=tid,
+            request_id=ticket.request_id,
+            fingerprint_digest=self.fingerprint_digest,
+            token_start=ticket.token_start,
+            token_end=ticket.token_end,
+            num_blocks=n,
+            block_nbytes=arena.block_nbytes,
+            generations=ticket.generations[:n],
+            segments=tuple(segments),
+            src_worker_id=self.worker_id,
+            dst_worker_id=ticket.dst_worker_id,
+            src_address=self.node.address,
+            src_host_id=self.node.host_id,
+            has_checksums=self.send_checksums,
+            meta=dict(meta or {}),
+        )
+        env_frame, env_mac = envelope.encode(self._secret)
+        posted: list[Any] = []
+        state = {"last_posted": False, "verdict": False, "released": False}
+        timings: dict[str, float] = {}
+
+        def release() -> None:
+            if not state["released"]:
+                state["released"] = True
+                if on_source_released is not None:
+                    on_source_released()
+
+        async def pump(ep: Any) -> None:
+            posted.append(self.node.post_send(ep, bytearray(env_frame), proto.tag(tid, 0)))
+            sums: list[int] = list(checksums) if checksums is not None else []
+            for k, (first, count) in enumerate(segments):
+                if segment_ready is not None:
+                    await segment_ready(first, count)
+                view = arena.run_bytes(src_block_ids[first], count)
+                if self.send_checksums and checksums is None:
+                    sums.extend(await self._hash(view.numpy(), arena.block_nbytes))
+                posted.append(self.node.post_send(ep, view, proto.segment_tag(tid, k)))
+            trailer = encode_trailer(
+                tid, env_mac, sums if self.send_checksums else [], self._secret
+            )
+            posted.append(
+                self.node.post_send(ep, bytearray(trailer), proto.tag(tid, proto.TRAILER_TAG))
+            )
+            state["last_posted"] = True
+            for req in posted:
+                await self.node.wait(req)
+            timings["data_ms"] = (loop.time() - t0) * 1e3
+
+        verdict_buf = bytearray(proto.CONTROL_CAPACITY)
+        verdict_req = self.node.post_recv(verdict_buf, proto.tag(tid, proto.VERDICT_TAG))
+        pump_task: asyncio.Task[None] | None = None
+        ep: Any = None
+        failure = "cancelled by sender"
+        try:
+            async with asyncio.timeout(timeout_s):
+                ep = await self.node.endpoint(ticket.dst_address, ticket.dst_host_id)
+                pump_task = asyncio.create_task(pump(ep))
+                verdict_task = asyncio.create_task(self.node.wait(verdict_req))
+                try:
+                    done, _ = await asyncio.wait(
+                        {pump_task, verdict_task}, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if pump_task in done:
+                        pump_task.result()
+                        release()
+                    await verdict_task
+                finally:
+                    verdict_task.cancel()
+            state["verdict"] = True
+            ok, reason = decode_verdict(verdict_buf, tid, self._secret)
+            if not ok:
+                raise TransferRejected(reason, request_id=ticket.request_id, retryable=True)
+        except TimeoutError:
+            failure = "sender deadline exceeded"
+            raise TransferTimeout(
+                failure, request_id=ticket.request_id, retryable=not state["last_posted"]
+            ) from None
+        except TransferError as exc:
+            failure = exc.reason
+            raise
+        finally:
+            if pump_task is not None and not pump_task.done():
+                pump_task.cancel()
+                with contextlib.suppress(BaseException):
+                    await pump_task
+            if not state["verdict"]:
+                await self._abort(ep, tid, failure)
+            for req in [*posted, verdict_req]:
+                # A send the receiver never matches stays posted; it only reads our memory
+                # if a receive for its tag is posted, and the receiver cancelled those.
+                await self.node.settle(req, grace_s=0.05)
+            release()
+        timings["total_ms"] = (loop.time() - t0) * 1e3
+        log.info(
+            "kv sent request=%s transfer=%x blocks=%d bytes=%d segments=%d dst=%s ms=%.2f",
+            ticket.request_id,
+            tid,
+            n,
+            n * arena.block_nbytes,
+            len(segments),
+            ticket.dst_worker_id,
+            timings["total_ms"],
+        )
+        return SendOutcome(
+            request_id=ticket.request_id,
+            transfer_id=tid,
+            num_blocks=n,
+            kv_bytes=n * arena.block_nbytes,
+            num_segments=len(segments),
+            transport=self.node.transport_label(ticket.dst_host_id),
+            timings_ms=timings,
+        )
+
+    async def _hash(self, run: Any, block_nbytes: int) -> list[int]:
+        if run.nbytes < _INLINE_HASH_BYTES:
+            return block_checksums(run, block_nbytes)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._hash_pool, block_checksums, run, block_nbytes)
+
+    async def _abort(self, ep: Any, transfer_id: int, reason: str) -> None:
+        """Best effort: tell the receiver to free its reservation now."""
+        if ep is None:
+            return
+        try:
+            frame = encode_abort(transfer_id, reason, self._secret)
+            req = self.node.post_send(ep, bytearray(frame), proto.tag(transfer_id, proto.ABORT_TAG))
+            with contextlib.suppress(TimeoutError, TransferError):
+                async with asyncio.timeout(0.2):
+                    await self.node.wait(req)
+            await self.node.settle(req, grace_s=0.05)
+        except Exception:
+            log.warning("kv abort not sent transfer=%x", transfer_id)
+
+    def close(self) -> None:
+        self._hash_pool.shutdown(wait=False)

@@ -1,0 +1,246 @@
+"""One UCX worker per process: address, endpoint cache, tagged send/recv, cancellation.
+
+Choices (measured on a 2-core host, ucxx 0.52 / UCX 1.21, see docs/transfer.md):
+
+- Progress mode ``blocking`` (the ucxx default ``thread`` costs 4-5x p50 latency here).
+- Peers connect by *worker address* (no listener). The transport follows the pair: a peer
+  on the same host gets an endpoint with error handling OFF, which lets UCX use shared
+  memory (``sm``: CMA single-copy rendezvous); a peer on another host gets error handling
+  ON (network transports). With error handling off UCX never reports a dead peer, so peer
+  death is detected by our own deadlines. ``UCX_TLS`` is left to UCX (fastest that works)
+  unless configured; it is process-wide, so it is set before UCX initialises.
+- Receives are posted on the worker (matched by tag alone). ucxx's Python layer does not
+  expose ``Request.cancel``; we call the exported C++ ``ucxx::Request::cancel()``
+  (``ucp_request_cancel``) through ctypes. Where that symbol is missing, cancelled receives
+  stay posted and their blocks stay pinned (never reused) until they drain — safe, leaky.
+
+Exactly one TransferNode may exist per process (ucxx keeps one context per process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared.transfer.errors import TransportError
+
+log = logging.getLogger(__name__)
+
+
+def default_host_id() -> str:
+    """Hostname plus boot id: two containers on one host name still differ by boot id."""
+    boot = ""
+    with contextlib.suppress(OSError):
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class TransferNodeConfig:
+    """``ucx_tls``: None leaves UCX_TLS to the environment / UCX's own choice."""
+
+    ucx_tls: str | None = None
+    host_id: str = field(default_factory=default_host_id)
+    cancel_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.cancel_grace_s <= 0:
+            raise ValueError("cancel_grace_s must be > 0")
+
+
+def _find_cancel() -> Callable[[int], None] | None:
+    try:
+        import libucxx  # the wheel that carries libucxx.so
+
+        path = Path(libucxx.__file__).parent / "lib64" / "libucxx.so"
+        fn = ctypes.CDLL(str(path))._ZN4ucxx7Request6cancelEv
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p]
+    fn.restype = None
+    return lambda ptr: fn(ptr)
+
+
+def as_buffer(view: Any) -> Any:
+    """A ucxx Array over a CPU tensor/ndarray/bytearray, asserting it is contiguous.
+
+    ucxx sends ``ptr, nbytes`` without checking contiguity, so a strided view would move
+    the wrong bytes: we refuse it here, before every send and receive.
+    """
+    from ucxx._lib.arr import Array
+
+    if hasattr(view, "is_contiguous"):
+        if not view.is_contiguous():
+            raise AssertionError("tensor view for UCX is not contiguous")
+        if view.device.type == "cpu":
+            view = view.numpy()
+    if isinstance(view, np.ndarray) and not view.flags.c_contiguous:
+        raise AssertionError("array for UCX is not contiguous")
+    arr = Array(view)
+    if not arr.contiguous:
+        raise AssertionError("buffer for UCX is not contiguous")
+    return arr
+
+
+@dataclass(eq=False)
+class UcxOp:
+    """A posted UCX request plus the buffer it reads or writes.
+
+    ucxx requests do not keep their buffer alive: dropping the buffer while the request
+    is posted lets UCX read freed memory. Hold the op until it completes.
+    """
+
+    req: Any
+    buffer: Any
+
+    @property
+    def completed(self) -> bool:
+        return bool(self.req.completed)
+
+
+class TransferNode:
+    """Owns this process's ucxx worker. Call ``await start()`` inside the event loop."""
+
+    def __init__(self, config: TransferNodeConfig | None = None) -> None:
+        self.config = config or TransferNodeConfig()
+        self._ctx: Any = None
+        self._endpoints: dict[bytes, Any] = {}
+        self._connecting: dict[bytes, asyncio.Future[Any]] = {}
+        self._cancel_fn: Callable[[int], None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Initialise UCX (progress mode ``blocking``). Raises TransportError on failure."""
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        if self.config.ucx_tls is not None:
+            os.environ["UCX_TLS"] = self.config.ucx_tls
+        import ucxx
+
+        try:
+            ucxx.init(progress_mode="blocking")
+        except RuntimeError as exc:  # already initialised in this process
+            raise TransportError(f"one TransferNode per process: {exc}") from None
+        # ucxx keeps its context private; the worker is what we post requests on.
+        self._ctx = ucxx.core._get_ctx()
+        self._cancel_fn = _find_cancel()  # after ucxx loaded libucp, which libucxx needs
+        if self._cancel_fn is None:
+            log.warning("ucxx Request::cancel not found: cancelled receives drain instead")
+
+    async def close(self) -> None:
+        """Close every cached endpoint. The node cannot be restarted in this process."""
+        for ep in self._endpoints.values():
+            with contextlib.suppress(Exception):
+                ep.close_blocking(10**8, 1)
+        self._endpoints.clear()
+
+    @property
+    def started(self) -> bool:
+        return self._ctx is not None
+
+    @property
+    def address(self) -> bytes:
+        """This worker's UCX address (goes into the worker's registration)."""
+        return bytes(self._ctx.worker.address.tobytes())
+
+    @property
+    def host_id(self) -> str:
+        return self.config.host_id
+
+    @property
+    def can_cancel(self) -> bool:
+        return self._cancel_fn is not None
+
+    def transport_label(self, peer_host_id: str) -> str:
+        """Which path a transfer with this peer takes, for logs and outcomes."""
+        tls = os.environ.get("UCX_TLS", "auto")
+        kind = "same-host" if peer_host_id == self.host_id else "cross-host"
+        return f"{kind}(UCX_TLS={tls},err_handling={'off' if kind == 'same-host' else 'on'})"
+
+    # ------------------------------------------------------------------ endpoints
+    async def endpoint(self, peer_address: bytes, peer_host_id: str) -> Any:
+        """The cached endpoint to ``peer_address``, created on first use."""
+        ep = self._endpoints.get(peer_address)
+        if ep is not None and ep.alive:
+            return ep
+        pending = self._connecting.get(peer_address)
+        if pending is not None:
+            return await pending
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._connecting[peer_address] = fut
+        try:
+            import ucxx
+            from ucxx._lib import libucxx as ucx_api
+
+            addr = ucxx.get_ucx_address_from_buffer(peer_address)
+            ep = ucx_api.UCXEndpoint.create_from_worker_address(
+                self._ctx.worker, addr, peer_host_id != self.host_id
+            )
+            self._ctx.worker.progress()
+            self._endpoints[peer_address] = ep
+            fut.set_result(ep)
+            return ep
+        except Exception as exc:
+            err = TransportError(f"cannot connect to peer: {type(exc).__name__}")
+            fut.set_exception(err)
+            fut.exception()  # mark retrieved: waiters (if any) re-raise it
+            raise err from None
+        finally:
+            del self._connecting[peer_address]
+
+    # ------------------------------------------------------------------ requests
+    def post_recv(self, buffer: Any, tag: int) -> UcxOp:
+        """Post a worker-level tagged receive into ``buffer`` (must be contiguous)."""
+        from ucxx.types import Tag
+
+        arr = as_buffer(buffer)
+        return UcxOp(self._ctx.worker.tag_recv(arr, Tag(tag)), (arr, buffer))
+
+    def post_send(self, ep: Any, buffer: Any, tag: int) -> UcxOp:
+        """Post a tagged send of ``buffer`` (must be contiguous) on endpoint ``ep``."""
+        from ucxx.types import Tag
+
+        arr = as_buffer(buffer)
+        return UcxOp(ep.tag_send(arr, Tag(tag)), (arr, buffer))
+
+    @staticmethod
+    async def wait(op: UcxOp) -> None:
+        """Await completion; raises TransportError on any UCX error (incl. cancellation)."""
+        try:
+            await op.req.wait()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise TransportError(f"UCX request failed: {type(exc).__name__}") from None
+
+    def cancel(self, op: UcxOp) -> None:
+        """Ask UCX to cancel ``op`` (no effect once complete). Completion comes later."""
+        if self._cancel_fn is not None and not op.completed:
+            self._cancel_fn(op.req.ucxx_ptr)
+
+    async def settle(self, req: UcxOp, grace_s: float | None = None) -> bool:
+        """Cancel ``req`` and wait until UCX reports it complete (or ``grace_s`` passes).
+
+        Returns True once UCX no longer touches the request's buffer; False if it is
+        still posted after the grace period (the caller must keep the buffer pinned).
+        """
+        if req.completed:
+            return True
+        self.cancel(req)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + (grace_s if grace_s is not None else self.config.cancel_grace_s)
+        delay_s = 0.0
+        while not req.completed and loop.time() < give_up:
+            self._ctx.worker.progress()
+            await asyncio.sleep(delay_s)
+            delay_s = min(0.01, delay_s + 0.0005)
+        return bool(req.completed)

