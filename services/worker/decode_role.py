@@ -67,7 +67,7 @@ class DecodeRole:
         transfer_timeout_s: float,
         max_num_seqs: int,
         prefill_chunk_tokens: int = 512,
-        suffix_budget: Callable[[str, int], int] | None = None,
+        suffix_budget: Callable[[str, int, bool], int] | None = None,
     ) -> None:
         self.engine = engine
         self.bm = engine.block_manager
@@ -109,7 +109,9 @@ class DecodeRole:
             return AdmitReply(ok=False, error="decode batch is full", retry_after_ms=20)
         suffix_len = msg.suffix_len
         if suffix_len and self._suffix_budget is not None:
-            allowed = self._suffix_budget(msg.prefill_worker_id, msg.prompt_len - suffix_len)
+            allowed = self._suffix_budget(
+                msg.prefill_worker_id, msg.prompt_len - suffix_len, msg.forced_split
+            )
             if suffix_len > allowed:
                 # Re-check our own budget: refuse the steal rather than overrun TPOT.
                 self.refused_steals_total += 1

@@ -158,7 +158,9 @@ class PrefillRole:
     async def _serve(self, job: PrefillJob) -> None:
         msg = job.msg
         suffix_len = 0
-        if self.split_planner is not None:
+        if msg.force_steal_ratio is not None:
+            suffix_len = min(int(msg.force_steal_ratio * job.prompt_len), job.prompt_len - 1)
+        elif self.split_planner is not None:
             plan = self.split_planner([job, *self.queue], time.monotonic())
             suffix_len = min(plan.get(job.request_id, 0), job.prompt_len - 1)
         admit = await self._admit(job, suffix_len)
@@ -223,6 +225,7 @@ class PrefillRole:
             suffix_len=suffix_len,
             sampling=msg.sampling,
             tokens_subject=msg.tokens_subject,
+            forced_split=msg.force_steal_ratio is not None,
         )
         subject = self.subjects.worker_admit(msg.decode_worker_id)
         give_up_s = time.monotonic() + max(self.admit_timeout_s, job.deadline_s - time.monotonic())

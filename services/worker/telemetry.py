@@ -107,9 +107,11 @@ class Telemetry:
         )
         return {jobs[i].request_id: n for i, n in plan.stolen_tokens.items()}
 
-    def suffix_allowance(self, prefill_worker_id: str, context_tokens: int) -> int:
+    def suffix_allowance(
+        self, prefill_worker_id: str, context_tokens: int, forced: bool = False
+    ) -> int:
         """Decode-side re-check: the suffix tokens we accept from that prefill worker now."""
-        if self.rt.cfg.force_steal_ratio >= 0:
+        if self.rt.cfg.force_steal_ratio >= 0 or forced:
             return 1 << 30
         self._refresh_decode()
         return int(self.steal_budget_tokens)

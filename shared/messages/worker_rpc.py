@@ -55,12 +55,16 @@ class PrefillRequest(Message):
     ttft_deadline_s: float
     tokens_subject: str = field(metadata=_SUBJ)
     priority: int = 0
+    # Debug/test knob: split this prompt at beta (suffix = beta * L) instead of Algorithm 1.
+    force_steal_ratio: float | None = None
 
     def check(self) -> None:
         check_nonempty(self.request_id, "request_id")
         if not self.prompt_token_ids:
             raise MessageError("field prompt_token_ids: must not be empty")
         _check_token_ids(self.prompt_token_ids, "prompt_token_ids")
+        if self.force_steal_ratio is not None and not 0.0 <= self.force_steal_ratio < 1.0:
+            raise MessageError("field force_steal_ratio: must be in [0, 1)")
         if self.ttft_deadline_s < self.arrival_time_s:
             raise MessageError("field ttft_deadline_s: before arrival_time_s")
 
@@ -83,6 +87,7 @@ class AdmitRequest(Message):
     suffix_len: int = 0
     sampling: SamplingParams
     tokens_subject: str = field(metadata=_SUBJ)
+    forced_split: bool = False  # the split came from force_steal_ratio: skip the budget check
 
     def check(self) -> None:
         check_nonempty(self.request_id, "request_id")

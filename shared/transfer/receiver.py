@@ -192,6 +192,7 @@ class KVReceiver:
         env_task = asyncio.create_task(node.wait(env_req))
         st.tasks += [abort_task, env_task]
         await self._race(st, env_task, abort_task, abort_buf)
+        import sys, time as _t; print('R env', _t.perf_counter(), file=sys.stderr)
         env, env_mac = Envelope.decode(env_buf, self._secret)
         st.envelope = env
         self._check_envelope(ticket, env, dst)
@@ -208,12 +209,13 @@ class KVReceiver:
                 raise
             st.pinned.append(req)
             st.tasks.append(asyncio.create_task(self._segment(st, req, view, sums, k)))
+        print('R posted', _t.perf_counter(), file=sys.stderr)
         trailer_buf = bytearray(proto.trailer_capacity(n))
         trailer_req = node.post_recv(trailer_buf, proto.tag(tid, proto.TRAILER_TAG))
         st.control.append(trailer_req)
         data = asyncio.gather(*st.tasks[2:], node.wait(trailer_req))
         await self._race(st, data, abort_task, abort_buf)
-        t_data = loop.time()
+        t_data = loop.time(); print('R data', _t.perf_counter(), file=sys.stderr)
 
         expected = decode_trailer(trailer_buf, tid, env_mac, self._secret)
         if self.verify_checksums:
@@ -279,6 +281,7 @@ class KVReceiver:
         self, st: _Inbound, req: Any, view: Any, sums: list[list[int]], k: int
     ) -> None:
         await self.node.wait(req)
+        import sys, time as _t; print('R seg', _t.perf_counter(), file=sys.stderr)
         st.segments_done += 1
         if self.verify_checksums:
             run = view.numpy()

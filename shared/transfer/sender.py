@@ -143,6 +143,7 @@ class KVSender:
                     on_source_released()
 
         async def pump(ep: Any) -> None:
+            import sys, time as _t; print('S env', _t.perf_counter(), file=sys.stderr)
             posted.append(self.node.post_send(ep, bytearray(env_frame), proto.tag(tid, 0)))
             sums: list[int] = list(checksums) if checksums is not None else []
             for k, (first, count) in enumerate(segments):
@@ -152,6 +153,7 @@ class KVSender:
                 if self.send_checksums and checksums is None:
                     sums.extend(await self._hash(view.numpy(), arena.block_nbytes))
                 posted.append(self.node.post_send(ep, view, proto.segment_tag(tid, k)))
+                print('S seg', _t.perf_counter(), file=sys.stderr)
             trailer = encode_trailer(
                 tid, env_mac, sums if self.send_checksums else [], self._secret
             )
@@ -161,6 +163,7 @@ class KVSender:
             state["last_posted"] = True
             for req in posted:
                 await self.node.wait(req)
+                print('S done', _t.perf_counter(), file=sys.stderr)
             timings["data_ms"] = (loop.time() - t0) * 1e3
 
         verdict_buf = bytearray(proto.CONTROL_CAPACITY)

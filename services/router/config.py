@@ -1,0 +1,70 @@
+"""The router's one frozen config. Built by ``__main__`` from flags and environment."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+
+PAIRING_POLICIES = ("pressure", "round_robin")
+_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+
+
+def default_router_id() -> str:
+    """``router-<short hostname>-<pid>``, with characters NATS ids do not allow replaced."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname().split(".")[0]) or "host"
+    return f"router-{host}-{os.getpid()}"[:128]
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything a router process needs before it starts. Validated on creation.
+
+    ``short_prompt_tokens``: prompts of at most this many tokens skip the prefill worker and
+    go whole to the decode worker (0 disables). ``ttft_slo_ms`` sets each request's TTFT
+    deadline. ``request_timeout_s`` bounds a whole request; ``submit_timeout_s`` bounds the
+    PrefillRequest round trip (one try).
+    """
+
+    id: str = field(default_factory=default_router_id)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str = ""
+    nats_password: str = field(default="", repr=False)
+    nats_creds: str = ""
+    subject_prefix: str = "fluidpd"
+    model: str = "smollm2-135m"
+    served_model_name: str = ""
+    pairing: str = "pressure"
+    short_prompt_tokens: int = 0
+    ttft_slo_ms: float = 2000.0
+    request_timeout_s: float = 600.0
+    submit_timeout_s: float = 5.0
+    registry_timeout_s: float = 10.0
+    telemetry_stale_s: float = 1.0
+    log_json: bool = False
+
+    def __post_init__(self) -> None:
+        if not _ID_RE.match(self.id):
+            raise ValueError(f"router id must be letters, digits, '_' or '-', got {self.id!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.model:
+            raise ValueError("model is required")
+        if self.pairing not in PAIRING_POLICIES:
+            raise ValueError(f"pairing must be one of {PAIRING_POLICIES}, got {self.pairing!r}")
+        if self.short_prompt_tokens < 0:
+            raise ValueError("short_prompt_tokens must be >= 0")
+        if bool(self.nats_user) != bool(self.nats_password):
+            raise ValueError("nats_user and nats_password go together")
+        for name in ("ttft_slo_ms", "request_timeout_s", "submit_timeout_s",
+                     "registry_timeout_s", "telemetry_stale_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+    @property
+    def model_name(self) -> str:
+        """The name clients must send as ``model`` (and /v1/models lists)."""
+        return self.served_model_name or self.model
