@@ -24,11 +24,12 @@ from services.worker.config import WorkerConfig
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_factory import build_engine, fingerprint_of
 from services.worker.prefill_role import PrefillRole
+from services.worker.switch import RoleSwitcher
 from services.worker.telemetry import Telemetry
 from services.worker.token_stream import TokenStreamer
 from shared.bus import Bus
 from shared.bus.config import BusConfig
-from shared.bus.registry import RegistryConfig, WorkerRegistration
+from shared.bus.registry import RegistryConfig, RegistryWatcher, WorkerRegistration
 from shared.errors import InvalidRequestError
 from shared.messages import (
     Ack,
@@ -38,6 +39,7 @@ from shared.messages import (
     PrefillRequest,
     StreamSequencer,
     Subjects,
+    SwitchCommand,
     WorkerRecord,
 )
 from shared.transfer.receiver import KVReceiver
@@ -144,7 +146,11 @@ class WorkerRuntime:
         await self.bus.serve(
             s.worker_cancel(wid), CancelRequest, self._on_cancel, max_concurrency=64
         )
-        self.telemetry.subscribe_hooks_ready = True
+        self.switcher = RoleSwitcher(self)
+        await self.bus.serve(s.worker_switch(wid), SwitchCommand, self.switcher.on_switch)
+        self.watcher = RegistryWatcher(self.bus)
+        await self.watcher.start()
+        self._stack.push_async_callback(self.watcher.stop)
         await self.telemetry.start()
         self._tasks += [
             asyncio.ensure_future(self.decode.run()),
@@ -207,6 +213,7 @@ class WorkerRuntime:
     # ------------------------------------------------------------------ handlers
     async def _on_prefill(self, msg: PrefillRequest) -> Ack:
         if self.state != "active":
+            # Routers only pick Active workers; this is the race with a state change.
             raise InvalidRequestError(f"worker {self.cfg.worker_id} is {self.state}")
         seed = msg.sampling.seed if msg.sampling.seed is not None else 0
         if self.role == "prefill" and msg.decode_worker_id != self.cfg.worker_id:

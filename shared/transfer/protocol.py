@@ -40,8 +40,11 @@ def segment_tag(transfer_id: int, segment: int) -> int:
     return tag(transfer_id, SEGMENT_TAG_BASE + segment)
 
 
-def plan_segments(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int]]:
-    """Split logical blocks into messages: maximal runs contiguous on BOTH sides.
+def plan_segments(
+    src_ids: Sequence[int], dst_ids: Sequence[int], max_blocks: int | None = None
+) -> list[tuple[int, int]]:
+    """Split logical blocks into messages: runs contiguous on BOTH sides, at most
+    ``max_blocks`` long.
 
     Returns ``(first logical index, num blocks)`` in order. Each segment is one contiguous
     byte range in the sender's arena and one in the receiver's, so it moves as a single
@@ -56,6 +59,7 @@ def plan_segments(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[
             i == len(src_ids)
             or src_ids[i] != src_ids[i - 1] + 1
             or dst_ids[i] != dst_ids[i - 1] + 1
+            or (max_blocks is not None and i - start >= max_blocks)
         ):
             segments.append((start, i - start))
             start = i

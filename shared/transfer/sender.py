@@ -67,9 +67,15 @@ class KVSender:
         fingerprint: KVFingerprint,
         secret: bytes,
         send_checksums: bool = True,
+        max_segment_bytes: int = 8 << 20,
     ) -> None:
+        """``max_segment_bytes`` caps one message so the receiver can checksum segment k
+        while k+1 is still being copied (a whole-run message would serialise the two)."""
         if not secret:
             raise ValueError("a cluster secret is required")
+        if max_segment_bytes <= 0:
+            raise ValueError("max_segment_bytes must be > 0")
+        self.max_segment_bytes = max_segment_bytes
         self.node = node
         self.worker_id = worker_id
         self.fingerprint_digest = fingerprint.digest()
@@ -113,7 +119,8 @@ class KVSender:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         tid = ticket.transfer_id
-        segments = proto.plan_segments(src_block_ids, ticket.block_ids[:n])
+        max_blocks = max(1, self.max_segment_bytes // arena.block_nbytes)
+        segments = proto.plan_segments(src_block_ids, ticket.block_ids[:n], max_blocks)
         envelope = Envelope(
             transfer_id=tid,
             request_id=ticket.request_id,
@@ -143,17 +150,20 @@ class KVSender:
                     on_source_released()
 
         async def pump(ep: Any) -> None:
-            import sys, time as _t; print('S env', _t.perf_counter(), file=sys.stderr)
             posted.append(self.node.post_send(ep, bytearray(env_frame), proto.tag(tid, 0)))
             sums: list[int] = list(checksums) if checksums is not None else []
+            hashes: list[asyncio.Future[list[int]]] = []
             for k, (first, count) in enumerate(segments):
                 if segment_ready is not None:
                     await segment_ready(first, count)
                 view = arena.run_bytes(src_block_ids[first], count)
-                if self.send_checksums and checksums is None:
-                    sums.extend(await self._hash(view.numpy(), arena.block_nbytes))
                 posted.append(self.node.post_send(ep, view, proto.segment_tag(tid, k)))
-                print('S seg', _t.perf_counter(), file=sys.stderr)
+                if self.send_checksums and checksums is None:
+                    # Hash what is already on the wire: the source does not change while
+                    # the receiver copies it, so the trailer is ready soon after the data.
+                    hashes.append(self._hash(view.numpy(), arena.block_nbytes))
+            for fut in hashes:
+                sums.extend(await fut)
             trailer = encode_trailer(
                 tid, env_mac, sums if self.send_checksums else [], self._secret
             )
@@ -163,7 +173,6 @@ class KVSender:
             state["last_posted"] = True
             for req in posted:
                 await self.node.wait(req)
-                print('S done', _t.perf_counter(), file=sys.stderr)
             timings["data_ms"] = (loop.time() - t0) * 1e3
 
         verdict_buf = bytearray(proto.CONTROL_CAPACITY)
@@ -231,11 +240,14 @@ class KVSender:
             timings_ms=timings,
         )
 
-    async def _hash(self, run: Any, block_nbytes: int) -> list[int]:
-        if run.nbytes < _INLINE_HASH_BYTES:
-            return block_checksums(run, block_nbytes)
+    def _hash(self, run: Any, block_nbytes: int) -> asyncio.Future[list[int]]:
+        """Checksums of ``run``: inline when small, else queued on the hash thread."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._hash_pool, block_checksums, run, block_nbytes)
+        if run.nbytes < _INLINE_HASH_BYTES:
+            fut: asyncio.Future[list[int]] = loop.create_future()
+            fut.set_result(block_checksums(run, block_nbytes))
+            return fut
+        return loop.run_in_executor(self._hash_pool, block_checksums, run, block_nbytes)
 
     async def _abort(self, ep: Any, transfer_id: int, reason: str) -> None:
         """Best effort: tell the receiver to free its reservation now."""

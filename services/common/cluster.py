@@ -1,0 +1,260 @@
+"""A whole local FluidPD cluster as child processes: nats-server, controller, router, workers.
+
+Used by ``fluidpd up``, the end-to-end tests and the benchmarks::
+
+    cluster = Cluster(ClusterSpec(prefill=1, decode=1, model="tiny", port=free_port()))
+    try:
+        cluster.start()
+        cluster.wait_ready(timeout_s=120)
+        ... cluster.router_url, cluster.nats_url ...
+        cluster.kill_worker("d0", signal.SIGKILL)
+    finally:
+        cluster.stop()
+
+Blocking API (call it from a thread, e.g. ``asyncio.to_thread``, inside async code).
+Every child runs in its own process group; ``stop()`` ends them all (SIGTERM, grace,
+SIGKILL) and nats-server last, so workers can deregister on the way out.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.nats_server import READY_LINE, LocalNatsServer, free_port
+from services.common.procs import ChildProcess, LogSink, stop_all
+
+WORKER_READY = "worker_ready"
+ROUTER_READY = "router_ready"
+CONTROLLER_READY = "controller_ready"
+
+
+class ClusterStartError(RuntimeError):
+    """A child exited before the cluster was ready, or readiness timed out."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What to start. Immutable; validated on construction (raises ValueError).
+
+    ``nats_url`` None starts a private nats-server. ``worker_args`` / ``router_args`` /
+    ``controller_args`` are appended to the respective command lines; ``env`` is added to
+    every child's environment. ``log_dir`` writes ``<name>.log`` files; ``log_to_terminal``
+    prints every line prefixed with ``[name]``.
+    """
+
+    prefill: int = 1
+    decode: int = 1
+    model: str = "smollm2-135m"
+    engine: str = "torch"
+    port: int = 8000
+    host: str = "127.0.0.1"
+    nats_url: str | None = None
+    profile: str = ""
+    threads: int = 0
+    time_scale: float | None = None
+    log_json: bool = False
+    auto_policy: bool = True
+    policy_config: str = ""
+    worker_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    controller_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    log_dir: Path | None = None
+    log_to_terminal: bool = False
+    with_controller: bool = True
+    with_router: bool = True
+    die_with_parent: bool = False
+    stop_grace_s: float = 8.0
+    python: str = field(default_factory=lambda: sys.executable)
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 0 or self.prefill + self.decode < 1:
+            raise ValueError("need at least one worker (prefill, decode >= 0)")
+        if self.engine not in ("torch", "emulated"):
+            raise ValueError("engine must be 'torch' or 'emulated'")
+        if not 0 < self.port < 65536:
+            raise ValueError("port must be in 1..65535")
+        if self.stop_grace_s < 0:
+            raise ValueError("stop_grace_s must be >= 0")
+
+    def worker_ids(self) -> list[tuple[str, str]]:
+        """(worker id, role) for every worker: p0..p{N-1}, d0..d{M-1}."""
+        return [(f"p{i}", "prefill") for i in range(self.prefill)] + [
+            (f"d{i}", "decode") for i in range(self.decode)
+        ]
+
+
+class Cluster:
+    """The processes of one local cluster. Not reusable after ``stop()``."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.sink = LogSink(terminal=spec.log_to_terminal, log_dir=spec.log_dir)
+        self.nats: ChildProcess | None = None
+        self.controller: ChildProcess | None = None
+        self.router: ChildProcess | None = None
+        self.workers: dict[str, ChildProcess] = {}
+        self.nats_url = spec.nats_url or ""
+        self._store_dir: Path | None = None
+        self._event = threading.Event()  # set by any child's ready/exit
+        self._secret = secrets.token_hex(16)  # used unless the environment names one
+        self._stopped = False
+
+    # --- addresses ----------------------------------------------------------------------
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    def children(self) -> list[ChildProcess]:
+        """Every started child, nats-server last."""
+        out = [c for c in (self.router, *self.workers.values(), self.controller) if c]
+        return out + ([self.nats] if self.nats else [])
+
+    def pids(self) -> dict[str, int]:
+        return {c.name: c.pid for c in self.children() if c.pid is not None}
+
+    # --- start --------------------------------------------------------------------------
+    def _child(self, name: str, argv: list[str], marker: str | None) -> ChildProcess:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(self.spec.env)}
+        env.setdefault("FLUIDPD_CLUSTER_SECRET", self._secret)  # one secret for all
+        child = ChildProcess(name, argv, env=env, ready_marker=marker, sink=self.sink,
+                             die_with_parent=self.spec.die_with_parent, on_event=self._event)
+        child.start()
+        return child
+
+    def _start_nats(self, deadline_s: float) -> None:
+        self._store_dir = Path(tempfile.mkdtemp(prefix="fluidpd-nats-"))
+        server = LocalNatsServer.on_free_port(self._store_dir)
+        self.nats_url = server.url
+        # "Server is ready" goes to stderr, merged into the pumped stdout.
+        self.nats = self._child("nats", server.argv(), READY_LINE)
+        self._wait_for([self.nats], deadline_s)
+
+    def start(self, nats_timeout_s: float = 20.0) -> None:
+        """Start nats-server (unless given), controller, workers and router. Returns once
+        spawned (nats-server already accepting clients); see ``wait_ready``.
+
+        Raises ClusterStartError, NatsServerNotFoundError or OSError."""
+        spec = self.spec
+        if not spec.nats_url:
+            self._start_nats(time.monotonic() + nats_timeout_s)
+        py = spec.python
+        log_flags = ["--log-json"] if spec.log_json else []
+        if spec.with_controller:
+            argv = [py, "-m", "services.controller", "--nats", self.nats_url,
+                    "--auto" if spec.auto_policy else "--no-auto", *log_flags]
+            if spec.policy_config:
+                argv += ["--policy-config", spec.policy_config]
+            self.controller = self._child("controller", argv + list(spec.controller_args),
+                                          CONTROLLER_READY)
+        for worker_id, role in spec.worker_ids():
+            argv = [py, "-m", f"services.{role}_worker", "--id", worker_id,
+                    "--nats", self.nats_url, "--model", spec.model, "--engine", spec.engine,
+                    *log_flags]
+            if spec.profile:
+                argv += ["--profile", spec.profile]
+            if spec.threads:
+                argv += ["--threads", str(spec.threads)]
+            if spec.time_scale is not None:
+                argv += ["--time-scale", str(spec.time_scale)]
+            if spec.policy_config:
+                argv += ["--policy-config", spec.policy_config]
+            self.workers[worker_id] = self._child(worker_id, argv + list(spec.worker_args),
+                                                  WORKER_READY)
+        if spec.with_router:
+            argv = [py, "-m", "services.router", "--nats", self.nats_url, "--model",
+                    spec.model, "--port", str(spec.port), *log_flags, *spec.router_args]
+            self.router = self._child("router", argv, ROUTER_READY)
+
+    # --- readiness ----------------------------------------------------------------------
+    def _wait_for(self, children: list[ChildProcess], deadline_s: float,
+                  cancel: threading.Event | None = None) -> None:
+        while True:
+            self._event.clear()
+            for child in children:
+                if child.exited.is_set():
+                    raise ClusterStartError(
+                        f"{child.name} exited with status {child.wait(1.0)} during start-up; "
+                        f"its last log lines:\n{child.tail(30)}"
+                    )
+            waiting = [c.name for c in children if not c.ready.is_set()]
+            if not waiting:
+                return
+            if cancel is not None and cancel.is_set():
+                raise ClusterStartError("start-up cancelled")
+            remaining_s = deadline_s - time.monotonic()
+            if remaining_s <= 0:
+                tails = "\n".join(f"--- {n} ---\n{self._by_name(n).tail(10)}" for n in waiting)
+                raise ClusterStartError(f"not ready in time: {', '.join(waiting)}\n{tails}")
+            # Wake on any child's ready/exit, or on cancel (checked at least every 0.2 s).
+            self._event.wait(min(remaining_s, 0.2))
+
+    def _by_name(self, name: str) -> ChildProcess:
+        return next(c for c in self.children() if c.name == name)
+
+    def wait_ready(self, timeout_s: float = 300.0, cancel: threading.Event | None = None) -> None:
+        """Block until every child logged its ready line and the router's /health is 200.
+
+        Raises ClusterStartError (a child exited early — with its last log lines — or the
+        deadline passed, or ``cancel`` was set)."""
+        deadline_s = time.monotonic() + timeout_s
+        self._wait_for([c for c in self.children() if c is not self.nats], deadline_s, cancel)
+        if self.router is None:
+            return
+        while True:  # the router said it listens; /health also needs workers registered
+            if self.health_ok():
+                return
+            self._wait_for([c for c in self.children() if c is not self.nats],
+                           deadline_s, cancel)
+            if time.monotonic() >= deadline_s:
+                raise ClusterStartError(f"router {self.router_url}/health never returned 200")
+            if cancel is not None and cancel.wait(0.1):
+                raise ClusterStartError("start-up cancelled")
+            if cancel is None:
+                time.sleep(0.1)  # polling an HTTP endpoint: there is no event to wait on
+
+    def health_ok(self, timeout_s: float = 2.0) -> bool:
+        try:
+            with urllib.request.urlopen(self.router_url + "/health", timeout=timeout_s) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def exited_children(self) -> list[ChildProcess]:
+        """Children whose process has ended (for supervision)."""
+        return [c for c in self.children() if c.exited.is_set()]
+
+    # --- operations ---------------------------------------------------------------------
+    def kill_worker(self, worker_id: str, sig: int) -> None:
+        """Send ``sig`` to worker ``worker_id``'s process group. Raises KeyError."""
+        self.workers[worker_id].signal(sig)
+
+    def stop(self) -> dict[str, int | None]:
+        """Stop router, workers and controller together, then nats-server; remove the
+        temporary JetStream store. Idempotent. Returns name → exit status."""
+        if self._stopped:
+            return {}
+        self._stopped = True
+        services = [c for c in self.children() if c is not self.nats]
+        results = stop_all(services, self.spec.stop_grace_s)
+        if self.nats is not None:
+            results["nats"] = self.nats.stop(5.0)
+        if self._store_dir is not None:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+        return results
+
+
+def pick_port(host: str = "127.0.0.1") -> int:
+    """A free TCP port for a router (racy, like every such helper)."""
+    return free_port(host)
+

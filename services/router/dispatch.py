@@ -1,0 +1,202 @@
+"""The bus side of the router: submit requests to a worker pair, route token items to
+their streams, cancel, and end requests whose worker left the registry.
+
+Holds request → (prefill worker, decode worker, stream) for every request in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from shared.bus import Bus, BusError, RemoteError
+from shared.bus.registry import RegistryChange
+from shared.messages import (
+    Ack,
+    CancelRequest,
+    PrefillRequest,
+    SamplingParams,
+    Subjects,
+    TokenBatch,
+    WorkerRecord,
+)
+
+from services.router.config import RouterConfig
+from services.router.errors import Unavailable
+from services.router.metrics import RouterMetrics
+from services.router.openai_api import GenerationRequest
+from services.router.pairing import NoWorkerError, PairingPolicy
+from services.router.streams import RequestStream
+
+log = structlog.get_logger("fluidpd.router")
+SEED_BITS = 62
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class InFlight:
+    """One submitted request: where it runs and its token stream."""
+
+    request_id: str
+    prefill_id: str
+    decode_id: str
+    stream: RequestStream
+    arrival_s: float
+    prompt_len: int
+    max_tokens: int
+    cancelled: bool = field(default=False)
+
+
+class Dispatcher:
+    """Owns the in-flight table. Event loop only. ``workers(role)`` returns the active
+    records of a role (from the RegistryWatcher)."""
+
+    def __init__(
+        self,
+        cfg: RouterConfig,
+        bus: Bus,
+        subjects: Subjects,
+        workers: Callable[[str], list[WorkerRecord]],
+        policy: PairingPolicy,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.cfg = cfg
+        self.bus = bus
+        self.subjects = subjects
+        self.tokens_subject = subjects.router_tokens(cfg.id)
+        self._workers = workers
+        self.policy = policy
+        self.metrics = metrics
+        self.in_flight: dict[str, InFlight] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- bus callbacks ----------------------------------------------------------------
+    async def on_tokens(self, batch: TokenBatch) -> None:
+        """Route each item to its stream; items of unknown/finished requests are dropped."""
+        now = time.time()
+        for item in batch.items:
+            entry = self.in_flight.get(item.request_id)
+            if entry is not None:
+                entry.stream.offer(item, now)
+
+    def on_registry_change(self, change: RegistryChange) -> None:
+        """A worker left: end the requests it still holds (prefill side: only requests
+        that have no token yet, since after the first token the decode side owns them)."""
+        if change.kind != "removed":
+            return
+        forget = getattr(self.policy, "forget", None)
+        if forget is not None:
+            forget(change.worker_id)
+        for entry in list(self.in_flight.values()):
+            holds = entry.decode_id == change.worker_id or (
+                entry.prefill_id == change.worker_id and entry.stream.num_tokens == 0
+            )
+            if holds and not entry.stream.finished:
+                log.warning("request_worker_lost", request_id=entry.request_id,
+                            worker=change.worker_id, reason=change.reason)
+                entry.stream.fail(f"worker {change.worker_id} left the cluster "
+                                  f"({change.reason}) while serving this request",
+                                  "worker_lost")
+                self.cancel_soon(entry, "worker_lost")
+
+    # --- submission -------------------------------------------------------------------
+    def _pick(self, exclude: frozenset[str]) -> tuple[str, str]:
+        try:
+            return self.policy.choose(self._workers("prefill"), self._workers("decode"),
+                                      exclude)
+        except NoWorkerError as exc:
+            raise Unavailable(f"{exc}; retry later", code="no_active_workers",
+                              retry_after_s=RETRY_AFTER_S) from None
+
+    async def submit(self, req: GenerationRequest, max_tokens: int) -> InFlight:
+        """Send the request to a pair (retrying once on another pair). Returns the
+        in-flight entry (the caller must ``release`` it). Raises Unavailable (503)."""
+        request_id = uuid.uuid4().hex
+        arrival_s = time.time()
+        seed = req.seed if req.seed is not None else secrets.randbits(SEED_BITS)
+        sampling = SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+            top_k=req.top_k, seed=seed, stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+        )
+        short = 0 < len(req.prompt_token_ids) <= self.cfg.short_prompt_tokens
+        exclude: frozenset[str] = frozenset()
+        last_error: Exception | None = None
+        for attempt in range(2):
+            prefill_id, decode_id = self._pick(exclude)
+            target = decode_id if short else prefill_id
+            msg = PrefillRequest(
+                request_id=request_id, router_id=self.cfg.id,
+                prompt_token_ids=req.prompt_token_ids, sampling=sampling,
+                decode_worker_id=decode_id, arrival_time_s=arrival_s,
+                ttft_deadline_s=arrival_s + self.cfg.ttft_slo_ms / 1000.0,
+                tokens_subject=self.tokens_subject,
+            )
+            entry = InFlight(request_id, decode_id if short else prefill_id, decode_id,
+                             RequestStream(request_id), arrival_s,
+                             len(req.prompt_token_ids), max_tokens)
+            # Registered before sending: the first token may beat the Ack.
+            self.in_flight[request_id] = entry
+            try:
+                await self.bus.request(self.subjects.worker_prefill(target), msg, Ack,
+                                       timeout_s=self.cfg.submit_timeout_s)
+            except (RemoteError, BusError) as exc:
+                self.in_flight.pop(request_id, None)
+                last_error = exc
+                log.warning("submit_failed", request_id=request_id, worker=target,
+                            attempt=attempt, error=type(exc).__name__,
+                            code=getattr(exc, "code", ""))
+                exclude = exclude | {prefill_id, decode_id}
+                if attempt == 0:
+                    self.metrics.submit_retries_total.inc()
+                continue
+            log.info("request_submitted", request_id=request_id, prefill=entry.prefill_id,
+                     decode=decode_id, prompt_tokens=len(req.prompt_token_ids),
+                     max_tokens=max_tokens, short=short)
+            return entry
+        retry_s = RETRY_AFTER_S
+        if isinstance(last_error, RemoteError) and last_error.retry_after_ms:
+            retry_s = max(1, -(-last_error.retry_after_ms // 1000))
+        raise Unavailable(f"no worker accepted the request ({getattr(last_error, 'code', '')});"
+                          " retry later", code="no_worker_accepted", retry_after_s=retry_s)
+
+    # --- ending -----------------------------------------------------------------------
+    async def cancel(self, entry: InFlight, reason: str) -> None:
+        """Tell both workers to drop the request (publish; unknown ids are ignored)."""
+        if entry.cancelled:
+            return
+        entry.cancelled = True
+        msg = CancelRequest(request_id=entry.request_id, reason=reason[:256])
+        for worker_id in dict.fromkeys((entry.prefill_id, entry.decode_id)):
+            try:
+                await self.bus.publish(self.subjects.worker_cancel(worker_id), msg)
+            except BusError as exc:
+                log.warning("cancel_publish_failed", request_id=entry.request_id,
+                            worker=worker_id, error=type(exc).__name__)
+        log.info("request_cancelled", request_id=entry.request_id, reason=reason)
+
+    def cancel_soon(self, entry: InFlight, reason: str) -> None:
+        """``cancel`` as a background task (safe from callbacks and cancelled handlers)."""
+        if entry.cancelled:
+            return
+        task = asyncio.ensure_future(self.cancel(entry, reason))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def release(self, entry: InFlight) -> None:
+        """Forget the request; later items for it are dropped."""
+        self.in_flight.pop(entry.request_id, None)
+
+    async def stop(self) -> None:
+        """End every request (router shutting down) and wait for pending cancels."""
+        for entry in list(self.in_flight.values()):
+            entry.stream.fail("the router is shutting down", "router_stopping")
+            self.cancel_soon(entry, "router_stopping")
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=2.0)

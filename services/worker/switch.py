@@ -1,0 +1,128 @@
+"""FluidRole in the worker: Active(role) -> Drain -> Switch -> Active(new role), in place.
+
+Same process, same weights, same arena; nothing is freed to the OS or reloaded. Each state
+change is published as a StateEvent and written to the registry at once, so routers stop
+sending work of the old role before the drain starts counting.
+
+P -> D: stop admitting prefill work; hand queued-but-not-started requests to other Active
+prefill workers (they keep their arrival time and deadline); finish the running prefill and
+flush its KV export; flip. D -> P: stop admitting decode work; let running requests finish
+(live migration to peers is not implemented yet) within ``drain_timeout_s``, after which
+the switch is cancelled and the worker returns to Active(decode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from shared.bus.errors import BusError
+from shared.messages import Ack, StateEvent, SwitchCommand, SwitchReply
+
+if TYPE_CHECKING:
+    from services.worker.runtime import WorkerRuntime
+
+log = structlog.get_logger(__name__)
+
+_DRAIN_POLL_S = 0.005  # drain completion is checked at this period (work ends in the loops)
+
+
+class RoleSwitcher:
+    def __init__(self, rt: WorkerRuntime, drain_timeout_s: float = 60.0) -> None:
+        self.rt = rt
+        self.drain_timeout_s = drain_timeout_s
+        self.task: asyncio.Task[None] | None = None
+        self.switches_total = 0
+        self.last_durations_ms: dict[str, float] = {}
+
+    async def on_switch(self, cmd: SwitchCommand) -> SwitchReply:
+        """Validate and start a switch; answer at once. Invalid commands change nothing."""
+        rt = self.rt
+        if rt.state != "active" or (self.task is not None and not self.task.done()):
+            return SwitchReply(ok=False, error=f"a switch is already running (state {rt.state})")
+        if cmd.role == rt.role:
+            return SwitchReply(ok=False, error=f"worker {rt.cfg.worker_id} is already {rt.role}")
+        others = [r for r in rt.watcher.workers(role=rt.role, state="active")
+                  if r.worker_id != rt.cfg.worker_id]
+        if not others:
+            return SwitchReply(ok=False,
+                               error=f"switch would leave no active {rt.role} worker")
+        self.task = asyncio.ensure_future(self._run(rt.role, cmd.role))
+        return SwitchReply(ok=True, from_role=rt.role, to_role=cmd.role)
+
+    async def _set_state(self, state: str, reason: str) -> None:
+        rt = self.rt
+        old, rt.state = rt.state, state
+        event = StateEvent(publisher_id=rt.cfg.worker_id, epoch=rt.sequencer.epoch,
+                           seq=rt.sequencer.next_seq("events"), time_s=time.time(),
+                           role=rt.role, from_state=old, to_state=state, reason=reason)
+        try:
+            await rt.registration.update(role=rt.role, state=state)
+            await rt.bus.publish(rt.subjects.events(rt.cfg.worker_id), event)
+        except Exception:
+            log.exception("state_publish_failed", worker_id=rt.cfg.worker_id, state=state)
+        log.info("worker_state", worker_id=rt.cfg.worker_id, role=rt.role, state=state,
+                 reason=reason)
+
+    async def _run(self, from_role: str, to_role: str) -> None:
+        rt = self.rt
+        t0 = time.perf_counter()
+        await self._set_state("drain", f"switch {from_role}->{to_role}")
+        if from_role == "prefill":
+            rt.prefill.admitting = False
+            await self._hand_off_queue()
+            drained = await self._wait(lambda: rt.prefill.current is None
+                                       and not rt.prefill.exports and not rt.prefill.queue)
+        else:
+            rt.decode.admitting = False
+            drained = await self._wait(lambda: not rt.decode.requests)
+        t_drain = time.perf_counter()
+        if not drained:
+            log.warning("switch_cancelled", worker_id=rt.cfg.worker_id, reason="drain timeout")
+            rt.prefill.admitting = rt.decode.admitting = True
+            await self._set_state("active", "switch cancelled: drain deadline")
+            return
+        await self._set_state("switch", f"{from_role}->{to_role}")
+        rt.role = to_role
+        rt.prefill.admitting = rt.decode.admitting = True
+        t_switch = time.perf_counter()
+        await self._set_state("active", f"now {to_role}")
+        self.switches_total += 1
+        self.last_durations_ms = {
+            "drain_ms": (t_drain - t0) * 1e3,
+            "reslice_ms": (t_switch - t_drain) * 1e3,
+            "route_update_ms": (time.perf_counter() - t_switch) * 1e3,
+        }
+        log.info("switch_done", worker_id=rt.cfg.worker_id, to=to_role, **self.last_durations_ms)
+
+    async def _wait(self, done: object) -> bool:
+        deadline = time.monotonic() + self.drain_timeout_s
+        while not done():  # type: ignore[operator]
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return True
+
+    async def _hand_off_queue(self) -> None:
+        """Give queued prefill requests to other Active prefill workers, keeping deadlines."""
+        rt = self.rt
+        jobs = rt.prefill.take_queued()
+        targets = [r.worker_id for r in rt.watcher.workers(role="prefill", state="active")
+                   if r.worker_id != rt.cfg.worker_id]
+        for i, job in enumerate(jobs):
+            placed = False
+            for k in range(len(targets)):
+                target = targets[(i + k) % len(targets)]
+                try:
+                    await rt.bus.request(rt.subjects.worker_prefill(target), job.msg, Ack, 2.0)
+                    placed = True
+                    break
+                except (BusError, Exception):
+                    continue
+            if not placed:  # nobody took it: serve it here before switching
+                rt.prefill.queue.append(job)
+                rt.prefill.jobs[job.request_id] = job
+                rt.prefill.wakeup.set()

@@ -1,0 +1,107 @@
+"""FluidRole in place, with real workers: a switch command sent as raw NATS protocol bytes
+(what `nats req` sends) switches a worker; bad commands get error answers and change nothing;
+outputs stay identical to `generate`; the switched process keeps its pid."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator, Iterator
+from urllib.parse import urlparse
+
+import pytest
+import pytest_asyncio
+
+from shared.engine.config import EngineConfig
+from shared.engine.engine import Engine
+from shared.engine.generate import generate
+from shared.messages import Subjects, SwitchReply, decode_reply
+from shared.sampling_params import SamplingParams
+from tests.support.nats_server import NatsServer
+from tests.support.nats_wire import raw_request
+from tests.support.workers import BusClient, start_worker, stop_all
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+SUBJECTS = Subjects()
+
+
+@pytest.fixture(scope="module")
+def cluster(nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("switch-logs")
+    args = ("--model", "tiny", "--num-kv-blocks", "256", "--block-size", "4")
+    url = nats_server_module.url
+    procs = [start_worker("prefill", "p0", url, *args, log_dir=logs),
+             start_worker("prefill", "p1", url, *args, log_dir=logs),
+             start_worker("decode", "d0", url, *args, log_dir=logs)]
+    try:
+        yield url
+    finally:
+        assert stop_all(procs) == [0, 0, 0]
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def client(cluster: str) -> AsyncIterator[BusClient]:
+    async with BusClient(cluster) as c:
+        await c.wait_workers(["p0", "p1", "d0"])
+        yield c
+
+
+def _wire(url: str, worker: str, payload: bytes) -> dict:  # type: ignore[type-arg]
+    u = urlparse(url)
+    reply = raw_request(u.hostname or "127.0.0.1", u.port or 4222,
+                        SUBJECTS.worker_switch(worker), payload, 5.0)
+    if payload.startswith(b"{"):
+        return json.loads(reply)  # JSON in, JSON out (what an operator sees)
+    msg = decode_reply(reply, SwitchReply)  # msgpack in, msgpack out
+    return {"ok": msg.ok, "error": msg.error}
+
+
+async def _roles(client: BusClient) -> dict[str, tuple[str, str]]:
+    assert client.watcher is not None
+    return {r.worker_id: (r.role, r.state) for r in client.watcher.workers()}
+
+
+async def test_bad_commands_change_nothing(cluster: str, client: BusClient) -> None:
+    before = await _roles(client)
+    cases = [b'{"role":"banana"}', b"{not json", b'{"role":"prefill"}', b"\xff\xfe", b"{}"]
+    for payload in cases:
+        answer = await asyncio.to_thread(_wire, cluster, "p0", payload)
+        assert answer["ok"] is False and answer["error"], payload
+    # d0 is the only decode worker: switching it away would empty the decode role.
+    answer = await asyncio.to_thread(_wire, cluster, "d0", b'{"role":"prefill"}')
+    assert answer["ok"] is False and "no active decode" in answer["error"]
+    assert await _roles(client) == before
+
+
+async def test_switch_p_to_d_and_back_keeps_outputs(cluster: str, client: BusClient) -> None:
+    ref = Engine.load(EngineConfig(model="tiny", block_size=4, num_kv_blocks=512))
+    rng = random.Random(9)
+    prompts = [[rng.randrange(4, 300) for _ in range(rng.randrange(5, 50))] for _ in range(6)]
+    want = [o.token_ids for o in generate(ref, prompts, SamplingParams(max_tokens=10,
+                                                                       ignore_eos=True))]
+    pid_before = client.telemetry["p1"].metrics["pid"]
+    # Load on p1 while it switches: queued work must be handed to p0, nothing dropped.
+    rids = [await client.submit("p1", "d0", p, 10) for p in prompts]
+    answer = await asyncio.to_thread(_wire, cluster, "p1", b'{"role":"decode"}')
+    assert {k: answer[k] for k in ("ok", "from", "to")} == {
+        "ok": True, "from": "prefill", "to": "decode"}
+    assert client.watcher is not None
+    await client.watcher.wait_until(
+        lambda w: (r := w.get("p1")) is not None and r.role == "decode" and r.state == "active",
+        30.0)
+    assert [(await client.result(r)).token_ids for r in rids] == want
+    # p1 now decodes: route a request p0 -> p1.
+    rid = await client.submit("p0", "p1", prompts[0], 10)
+    assert (await client.result(rid)).token_ids == want[0]
+    assert client.telemetry["p1"].metrics["pid"] == pid_before
+    # And back.
+    answer = await asyncio.to_thread(_wire, cluster, "p1", b'{"role":"prefill"}')
+    assert answer["ok"] is True
+    await client.watcher.wait_until(
+        lambda w: (r := w.get("p1")) is not None and r.role == "prefill" and r.state == "active",
+        30.0)
+    rid = await client.submit("p1", "d0", prompts[1], 10)
+    assert (await client.result(rid)).token_ids == want[1]
+    await client.wait_telemetry(lambda t: all(
+        t[w].free_blocks == t[w].total_blocks for w in ("p0", "p1", "d0")))
