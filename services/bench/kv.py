@@ -74,8 +74,13 @@ async def _sender_main() -> None:
         if msg["cmd"] == "setup":
             arena = _arena(msg["num_blocks"], msg["block_kib"])
             senders = {
-                v: KVSender(node, worker_id="bench-src", fingerprint=_fingerprint(arena),
-                            secret=SECRET, send_checksums=v)
+                v: KVSender(
+                    node,
+                    worker_id="bench-src",
+                    fingerprint=_fingerprint(arena),
+                    secret=SECRET,
+                    send_checksums=v,
+                )
                 for v in (True, False)
             }
             out.write("{}\n")
@@ -109,7 +114,10 @@ class _Pair:
         env = dict(os.environ, KV_BENCH_FD=str(wfd))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.bench.kv", "--role", "sender"],
-            stdin=subprocess.PIPE, text=True, env=env, pass_fds=(wfd,),
+            stdin=subprocess.PIPE,
+            text=True,
+            env=env,
+            pass_fds=(wfd,),
         )
         os.close(wfd)
         self.out = os.fdopen(rfd, "r")
@@ -136,8 +144,10 @@ async def _one(pair: _Pair, receiver: Any, rid: str, num_tokens: int, validate: 
     await asyncio.sleep(0)  # receives posted before the ticket leaves
     t0 = time.perf_counter()
     sent = loop.run_in_executor(
-        None, lambda: pair.call(cmd="send", ticket=receiver.encode_ticket(ticket).hex(),
-                                validate=validate)
+        None,
+        lambda: pair.call(
+            cmd="send", ticket=receiver.encode_ticket(ticket).hex(), validate=validate
+        ),
     )
     got = await recv
     e2e_s = time.perf_counter() - t0
@@ -162,37 +172,57 @@ async def _pair_main(args: argparse.Namespace) -> dict[str, Any]:
         pair.call(cmd="setup", num_blocks=num_blocks, block_kib=block_kib)
         bm = BlockManager(num_blocks, _BLOCK_TOKENS)  # one per arena, shared by both modes
         receivers = {
-            v: KVReceiver(node, worker_id="bench-dst", block_manager=bm, arena=arena,
-                          fingerprint=_fingerprint(arena), secret=SECRET, verify_checksums=v)
+            v: KVReceiver(
+                node,
+                worker_id="bench-dst",
+                block_manager=bm,
+                arena=arena,
+                fingerprint=_fingerprint(arena),
+                secret=SECRET,
+                verify_checksums=v,
+            )
             for v in (True, False)
         }
         for validate in (True, False):
             rcv = receivers[validate]
             if block_kib == args.block_kib[0] and not overhead.get(str(validate)):
-                one = [await _one(pair, rcv, f"o{validate}{i}", _BLOCK_TOKENS, validate)
-                       for i in range(args.overhead_reps)]
+                one = [
+                    await _one(pair, rcv, f"o{validate}{i}", _BLOCK_TOKENS, validate)
+                    for i in range(args.overhead_reps)
+                ]
                 overhead[str(validate)] = {
                     "e2e_us_p50": statistics.median(r["e2e_s"] for r in one) * 1e6,
-                    **{k: statistics.median(r["timings_ms"][k] for r in one) * 1e3
-                       for k in one[0]["timings_ms"]},
+                    **{
+                        k: statistics.median(r["timings_ms"][k] for r in one) * 1e3
+                        for k in one[0]["timings_ms"]
+                    },
                 }
             for payload in args.payload_mib:
                 tokens = payload * MIB // arena.block_nbytes * _BLOCK_TOKENS
                 reps = 2 if payload >= 1024 else args.reps
-                runs = [await _one(pair, rcv, f"p{block_kib}-{payload}-{validate}-{i}", tokens,
-                                   validate) for i in range(reps + 1)][1:]  # first: warm-up
+                runs = [
+                    await _one(
+                        pair, rcv, f"p{block_kib}-{payload}-{validate}-{i}", tokens, validate
+                    )
+                    for i in range(reps + 1)
+                ][1:]  # first: warm-up
                 best = min(runs, key=lambda r: r["e2e_s"])
                 gbps = payload * MIB / best["e2e_s"] / 1e9
-                rows.append({
-                    "tls": args.tls[0], "block_kib": block_kib, "payload_mib": payload,
-                    "validate": validate, "gbps": round(gbps, 2),
-                    "memcpy_gbps": round(memcpy[payload], 2),
-                    "ratio": round(gbps / memcpy[payload], 3),
-                    "data_ms": round(best["timings_ms"]["data_ms"], 2),
-                    "validate_ms": round(best["timings_ms"]["validate_ms"], 2),
-                    "install_ms": round(best["timings_ms"]["install_ms"], 3),
-                    "transport": best["transport"],
-                })
+                rows.append(
+                    {
+                        "tls": args.tls[0],
+                        "block_kib": block_kib,
+                        "payload_mib": payload,
+                        "validate": validate,
+                        "gbps": round(gbps, 2),
+                        "memcpy_gbps": round(memcpy[payload], 2),
+                        "ratio": round(gbps / memcpy[payload], 3),
+                        "data_ms": round(best["timings_ms"]["data_ms"], 2),
+                        "validate_ms": round(best["timings_ms"]["validate_ms"], 2),
+                        "install_ms": round(best["timings_ms"]["install_ms"], 3),
+                        "transport": best["transport"],
+                    }
+                )
                 print(json.dumps(rows[-1]), file=sys.stderr)
         del arena, receivers
     pair.close()
@@ -208,8 +238,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--block-kib", type=int, nargs="+", default=None)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--overhead-reps", type=int, default=30)
-    p.add_argument("--role", choices=["driver", "pair", "sender"], default="driver",
-                   help=argparse.SUPPRESS)
+    p.add_argument(
+        "--role", choices=["driver", "pair", "sender"], default="driver", help=argparse.SUPPRESS
+    )
     args = p.parse_args(argv)
     args.payload_mib = args.payload_mib or ([16, 64] if args.quick else [16, 64, 256, 1024])
     args.block_kib = args.block_kib or ([64] if args.quick else [16, 64, 256])
@@ -230,16 +261,28 @@ def main(argv: list[str] | None = None) -> int:
     for tls in args.tls:
         env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
         env.pop("UCX_TLS", None)
-        cmd_args = ["--tls", tls, "--reps", str(args.reps), "--overhead-reps",
-                    str(args.overhead_reps), "--payload-mib", *map(str, args.payload_mib),
-                    "--block-kib", *map(str, args.block_kib)]
+        cmd_args = [
+            "--tls",
+            tls,
+            "--reps",
+            str(args.reps),
+            "--overhead-reps",
+            str(args.overhead_reps),
+            "--payload-mib",
+            *map(str, args.payload_mib),
+            "--block-kib",
+            *map(str, args.block_kib),
+        ]
         if tls == "tcp":  # slow path: one block size is enough to see it
             cmd_args[cmd_args.index("--block-kib") + 1 :] = [str(max(args.block_kib))]
         if tls != "auto":
             env["UCX_TLS"] = tls
         proc = subprocess.run(
             [sys.executable, "-m", "services.bench.kv", "--role", "pair", *cmd_args],
-            env=env, capture_output=True, text=True, timeout=600,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
         )
         sys.stderr.write(proc.stderr[-4000:] if proc.returncode else "")
         if proc.returncode:
@@ -248,9 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         res = json.loads(proc.stdout.strip().splitlines()[-1])
         results.append(res)
         for row in res["rows"]:
-            print(f"tls={tls:8s} block={row['block_kib']:4d}KiB payload={row['payload_mib']:5d}MiB "
-                  f"validate={row['validate']!s:5s} {row['gbps']:6.2f} GB/s "
-                  f"memcpy {row['memcpy_gbps']:6.2f} ratio {row['ratio']:.2f}")
+            print(
+                f"tls={tls:8s} block={row['block_kib']:4d}KiB payload={row['payload_mib']:5d}MiB "
+                f"validate={row['validate']!s:5s} {row['gbps']:6.2f} GB/s "
+                f"memcpy {row['memcpy_gbps']:6.2f} ratio {row['ratio']:.2f}"
+            )
         print(f"tls={tls}: one-block overhead (us): {json.dumps(res['overhead_us'])}")
     rows = [r for res in results for r in res["rows"]]
     big = [r for r in rows if r["payload_mib"] >= 64]

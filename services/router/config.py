@@ -59,8 +59,13 @@ class RouterConfig:
             raise ValueError("short_prompt_tokens must be >= 0")
         if bool(self.nats_user) != bool(self.nats_password):
             raise ValueError("nats_user and nats_password go together")
-        for name in ("ttft_slo_ms", "request_timeout_s", "submit_timeout_s",
-                     "registry_timeout_s", "telemetry_stale_s"):
+        for name in (
+            "ttft_slo_ms",
+            "request_timeout_s",
+            "submit_timeout_s",
+            "registry_timeout_s",
+            "telemetry_stale_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 

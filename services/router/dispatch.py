@@ -15,6 +15,12 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from services.router.config import RouterConfig
+from services.router.errors import Unavailable
+from services.router.metrics import RouterMetrics
+from services.router.openai_api import GenerationRequest
+from services.router.pairing import NoWorkerError, PairingPolicy
+from services.router.streams import RequestStream
 from shared.bus import Bus, BusError, RemoteError
 from shared.bus.registry import RegistryChange
 from shared.messages import (
@@ -26,13 +32,6 @@ from shared.messages import (
     TokenBatch,
     WorkerRecord,
 )
-
-from services.router.config import RouterConfig
-from services.router.errors import Unavailable
-from services.router.metrics import RouterMetrics
-from services.router.openai_api import GenerationRequest
-from services.router.pairing import NoWorkerError, PairingPolicy
-from services.router.streams import RequestStream
 
 log = structlog.get_logger("fluidpd.router")
 SEED_BITS = 62
@@ -98,21 +97,27 @@ class Dispatcher:
                 entry.prefill_id == change.worker_id and entry.stream.num_tokens == 0
             )
             if holds and not entry.stream.finished:
-                log.warning("request_worker_lost", request_id=entry.request_id,
-                            worker=change.worker_id, reason=change.reason)
-                entry.stream.fail(f"worker {change.worker_id} left the cluster "
-                                  f"({change.reason}) while serving this request",
-                                  "worker_lost")
+                log.warning(
+                    "request_worker_lost",
+                    request_id=entry.request_id,
+                    worker=change.worker_id,
+                    reason=change.reason,
+                )
+                entry.stream.fail(
+                    f"worker {change.worker_id} left the cluster "
+                    f"({change.reason}) while serving this request",
+                    "worker_lost",
+                )
                 self.cancel_soon(entry, "worker_lost")
 
     # --- submission -------------------------------------------------------------------
     def _pick(self, exclude: frozenset[str]) -> tuple[str, str]:
         try:
-            return self.policy.choose(self._workers("prefill"), self._workers("decode"),
-                                      exclude)
+            return self.policy.choose(self._workers("prefill"), self._workers("decode"), exclude)
         except NoWorkerError as exc:
-            raise Unavailable(f"{exc}; retry later", code="no_active_workers",
-                              retry_after_s=RETRY_AFTER_S) from None
+            raise Unavailable(
+                f"{exc}; retry later", code="no_active_workers", retry_after_s=RETRY_AFTER_S
+            ) from None
 
     async def submit(self, req: GenerationRequest, max_tokens: int) -> InFlight:
         """Send the request to a pair (retrying once on another pair). Returns the
@@ -121,8 +126,12 @@ class Dispatcher:
         arrival_s = time.time()
         seed = req.seed if req.seed is not None else secrets.randbits(SEED_BITS)
         sampling = SamplingParams(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-            top_k=req.top_k, seed=seed, stop_token_ids=req.stop_token_ids,
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            seed=seed,
+            stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
         )
         short = 0 < len(req.prompt_token_ids) <= self.cfg.short_prompt_tokens
@@ -132,39 +141,66 @@ class Dispatcher:
             prefill_id, decode_id = self._pick(exclude)
             target = decode_id if short else prefill_id
             msg = PrefillRequest(
-                request_id=request_id, router_id=self.cfg.id,
-                prompt_token_ids=req.prompt_token_ids, sampling=sampling,
-                decode_worker_id=decode_id, arrival_time_s=arrival_s,
+                request_id=request_id,
+                router_id=self.cfg.id,
+                prompt_token_ids=req.prompt_token_ids,
+                sampling=sampling,
+                decode_worker_id=decode_id,
+                arrival_time_s=arrival_s,
                 ttft_deadline_s=arrival_s + self.cfg.ttft_slo_ms / 1000.0,
                 tokens_subject=self.tokens_subject,
             )
-            entry = InFlight(request_id, decode_id if short else prefill_id, decode_id,
-                             RequestStream(request_id), arrival_s,
-                             len(req.prompt_token_ids), max_tokens)
+            entry = InFlight(
+                request_id,
+                decode_id if short else prefill_id,
+                decode_id,
+                RequestStream(request_id),
+                arrival_s,
+                len(req.prompt_token_ids),
+                max_tokens,
+            )
             # Registered before sending: the first token may beat the Ack.
             self.in_flight[request_id] = entry
             try:
-                await self.bus.request(self.subjects.worker_prefill(target), msg, Ack,
-                                       timeout_s=self.cfg.submit_timeout_s)
+                await self.bus.request(
+                    self.subjects.worker_prefill(target),
+                    msg,
+                    Ack,
+                    timeout_s=self.cfg.submit_timeout_s,
+                )
             except (RemoteError, BusError) as exc:
                 self.in_flight.pop(request_id, None)
                 last_error = exc
-                log.warning("submit_failed", request_id=request_id, worker=target,
-                            attempt=attempt, error=type(exc).__name__,
-                            code=getattr(exc, "code", ""))
+                log.warning(
+                    "submit_failed",
+                    request_id=request_id,
+                    worker=target,
+                    attempt=attempt,
+                    error=type(exc).__name__,
+                    code=getattr(exc, "code", ""),
+                )
                 exclude = exclude | {prefill_id, decode_id}
                 if attempt == 0:
                     self.metrics.submit_retries_total.inc()
                 continue
-            log.info("request_submitted", request_id=request_id, prefill=entry.prefill_id,
-                     decode=decode_id, prompt_tokens=len(req.prompt_token_ids),
-                     max_tokens=max_tokens, short=short)
+            log.info(
+                "request_submitted",
+                request_id=request_id,
+                prefill=entry.prefill_id,
+                decode=decode_id,
+                prompt_tokens=len(req.prompt_token_ids),
+                max_tokens=max_tokens,
+                short=short,
+            )
             return entry
         retry_s = RETRY_AFTER_S
         if isinstance(last_error, RemoteError) and last_error.retry_after_ms:
             retry_s = max(1, -(-last_error.retry_after_ms // 1000))
-        raise Unavailable(f"no worker accepted the request ({getattr(last_error, 'code', '')});"
-                          " retry later", code="no_worker_accepted", retry_after_s=retry_s)
+        raise Unavailable(
+            f"no worker accepted the request ({getattr(last_error, 'code', '')}); retry later",
+            code="no_worker_accepted",
+            retry_after_s=retry_s,
+        )
 
     # --- ending -----------------------------------------------------------------------
     async def cancel(self, entry: InFlight, reason: str) -> None:
@@ -177,8 +213,12 @@ class Dispatcher:
             try:
                 await self.bus.publish(self.subjects.worker_cancel(worker_id), msg)
             except BusError as exc:
-                log.warning("cancel_publish_failed", request_id=entry.request_id,
-                            worker=worker_id, error=type(exc).__name__)
+                log.warning(
+                    "cancel_publish_failed",
+                    request_id=entry.request_id,
+                    worker=worker_id,
+                    error=type(exc).__name__,
+                )
         log.info("request_cancelled", request_id=entry.request_id, reason=reason)
 
     def cancel_soon(self, entry: InFlight, reason: str) -> None:

@@ -56,8 +56,9 @@ class Unavailable(ApiError):
     error_type = "server_error"
 
 
-def error_body(message: str, error_type: str, code: str | None, param: str | None = None
-               ) -> dict[str, Any]:
+def error_body(
+    message: str, error_type: str, code: str | None, param: str | None = None
+) -> dict[str, Any]:
     """The OpenAI error object."""
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 

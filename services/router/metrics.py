@@ -6,6 +6,7 @@ Labels are bounded: ``endpoint`` is one of the routes, ``status`` an HTTP status
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -31,28 +32,45 @@ class RouterMetrics:
         """Register the router metrics in ``registry`` (mutates it; once per registry)."""
         p = "fluidpd_router_"
         return cls(
-            requests_total=Counter(p + "requests_total", "HTTP requests by endpoint and status",
-                                   ["endpoint", "status"], registry=registry),
-            errors_total=Counter(p + "errors_total", "Failed requests by error code", ["code"],
-                                 registry=registry),
-            in_flight=Gauge(p + "requests_in_flight", "Generation requests in progress",
-                            registry=registry),
-            ttft_seconds=Histogram(p + "ttft_seconds", "Time to first token (router arrival "
-                                   "to first token received)", buckets=_TTFT_BUCKETS_S,
-                                   registry=registry),
-            tpot_seconds=Histogram(p + "tpot_seconds", "Mean time per output token after "
-                                   "the first, per request", buckets=_TOKEN_BUCKETS_S,
-                                   registry=registry),
-            inter_token_seconds=Histogram(p + "inter_token_seconds", "Time between two "
-                                          "consecutive tokens of a request",
-                                          buckets=_TOKEN_BUCKETS_S, registry=registry),
-            prompt_tokens_total=Counter(p + "prompt_tokens_total", "Prompt tokens submitted",
-                                        registry=registry),
-            completion_tokens_total=Counter(p + "completion_tokens_total",
-                                            "Completion tokens returned", registry=registry),
-            submit_retries_total=Counter(p + "submit_retries_total",
-                                         "Submissions retried on another pair",
-                                         registry=registry),
+            requests_total=Counter(
+                p + "requests_total",
+                "HTTP requests by endpoint and status",
+                ["endpoint", "status"],
+                registry=registry,
+            ),
+            errors_total=Counter(
+                p + "errors_total", "Failed requests by error code", ["code"], registry=registry
+            ),
+            in_flight=Gauge(
+                p + "requests_in_flight", "Generation requests in progress", registry=registry
+            ),
+            ttft_seconds=Histogram(
+                p + "ttft_seconds",
+                "Time to first token (router arrival to first token received)",
+                buckets=_TTFT_BUCKETS_S,
+                registry=registry,
+            ),
+            tpot_seconds=Histogram(
+                p + "tpot_seconds",
+                "Mean time per output token after the first, per request",
+                buckets=_TOKEN_BUCKETS_S,
+                registry=registry,
+            ),
+            inter_token_seconds=Histogram(
+                p + "inter_token_seconds",
+                "Time between two consecutive tokens of a request",
+                buckets=_TOKEN_BUCKETS_S,
+                registry=registry,
+            ),
+            prompt_tokens_total=Counter(
+                p + "prompt_tokens_total", "Prompt tokens submitted", registry=registry
+            ),
+            completion_tokens_total=Counter(
+                p + "completion_tokens_total", "Completion tokens returned", registry=registry
+            ),
+            submit_retries_total=Counter(
+                p + "submit_retries_total", "Submissions retried on another pair", registry=registry
+            ),
         )
 
     def observe_tokens(self, arrival_s: float, receive_times_s: list[float]) -> None:
@@ -60,7 +78,7 @@ class RouterMetrics:
         if not receive_times_s:
             return
         self.ttft_seconds.observe(max(0.0, receive_times_s[0] - arrival_s))
-        for prev, cur in zip(receive_times_s, receive_times_s[1:], strict=False):
+        for prev, cur in itertools.pairwise(receive_times_s):
             self.inter_token_seconds.observe(max(0.0, cur - prev))
         if len(receive_times_s) > 1:
             span = receive_times_s[-1] - receive_times_s[0]

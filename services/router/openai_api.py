@@ -11,10 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from services.router.errors import BadRequest, ModelNotFound
 from shared.errors import FluidPDError
 from shared.tokenizer import Tokenizer
-
-from services.router.errors import BadRequest, ModelNotFound
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
@@ -60,8 +59,9 @@ def _get_int(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
     return int(value)
 
 
-def _get_float(body: dict[str, Any], name: str, lo: float, hi: float, default: float,
-               *, lo_open: bool = False) -> float:
+def _get_float(
+    body: dict[str, Any], name: str, lo: float, hi: float, default: float, *, lo_open: bool = False
+) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -99,8 +99,9 @@ def _token_ids(value: Any, vocab_size: int, param: str) -> tuple[int, ...]:
         raise BadRequest(f"'{param}' must be a list of integers", param=param)
     bad = [t for t in value if not 0 <= t < vocab_size]
     if bad:
-        raise BadRequest(f"token id {bad[0]} is out of the vocabulary [0, {vocab_size})",
-                         param=param)
+        raise BadRequest(
+            f"token id {bad[0]} is out of the vocabulary [0, {vocab_size})", param=param
+        )
     return tuple(value)
 
 
@@ -111,8 +112,9 @@ def _common(body: Any, model_name: str) -> dict[str, Any]:
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a string", param="model")
     if model != model_name:
-        raise ModelNotFound(f"the model '{model}' does not exist; this server serves "
-                            f"'{model_name}'", param="model")
+        raise ModelNotFound(
+            f"the model '{model}' does not exist; this server serves '{model_name}'", param="model"
+        )
     if body.get("n") not in (None, 1):
         raise BadRequest("only n=1 is supported", param="n")
     if body.get("best_of") not in (None, 1):
@@ -142,18 +144,29 @@ def _common(body: Any, model_name: str) -> dict[str, Any]:
     }
 
 
-def _finish(kind: Literal["completion", "chat"], ids: tuple[int, ...], max_tokens: int | None,
-            common: dict[str, Any], body: dict[str, Any], vocab_size: int) -> GenerationRequest:
+def _finish(
+    kind: Literal["completion", "chat"],
+    ids: tuple[int, ...],
+    max_tokens: int | None,
+    common: dict[str, Any],
+    body: dict[str, Any],
+    vocab_size: int,
+) -> GenerationRequest:
     if not ids:
-        raise BadRequest("the prompt is empty", param="prompt" if kind == "completion"
-                         else "messages")
+        raise BadRequest(
+            "the prompt is empty", param="prompt" if kind == "completion" else "messages"
+        )
     stop_ids = body.get("stop_token_ids")
-    stop_token_ids = () if stop_ids is None else _token_ids(stop_ids, vocab_size,
-                                                             "stop_token_ids")
+    stop_token_ids = () if stop_ids is None else _token_ids(stop_ids, vocab_size, "stop_token_ids")
     if len(stop_token_ids) > 64:
         raise BadRequest("'stop_token_ids' allows at most 64 ids", param="stop_token_ids")
-    return GenerationRequest(kind=kind, prompt_token_ids=ids, max_tokens=max_tokens,
-                             stop_token_ids=stop_token_ids, **common)
+    return GenerationRequest(
+        kind=kind,
+        prompt_token_ids=ids,
+        max_tokens=max_tokens,
+        stop_token_ids=stop_token_ids,
+        **common,
+    )
 
 
 def parse_completion(body: Any, tokenizer: Tokenizer, model_name: str) -> GenerationRequest:
@@ -187,24 +200,27 @@ def _message_content(msg: Any, i: int) -> dict[str, Any]:
         raise BadRequest(f"'{param}' must be an object", param=param)
     role = msg.get("role")
     if role not in CHAT_ROLES:
-        raise BadRequest(f"'{param}.role' must be one of {', '.join(CHAT_ROLES)}",
-                         param=f"{param}.role")
+        raise BadRequest(
+            f"'{param}.role' must be one of {', '.join(CHAT_ROLES)}", param=f"{param}.role"
+        )
     content = msg.get("content")
     if content is None:
         content = ""
     elif isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-                part.get("text"), str
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
             ):
-                raise BadRequest("only text content parts are supported",
-                                 param=f"{param}.content")
+                raise BadRequest("only text content parts are supported", param=f"{param}.content")
             texts.append(part["text"])
         content = "".join(texts)
     elif not isinstance(content, str):
-        raise BadRequest(f"'{param}.content' must be a string or a list of text parts",
-                         param=f"{param}.content")
+        raise BadRequest(
+            f"'{param}.content' must be a string or a list of text parts", param=f"{param}.content"
+        )
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
@@ -239,5 +255,7 @@ def resolve_max_tokens(req: GenerationRequest, max_model_len: int) -> int:
         raise BadRequest(
             f"this model's maximum context length is {max_model_len} tokens; the request has "
             f"{prompt_len} prompt tokens and asks for {max_tokens} completion tokens",
-            param=param, code="context_length_exceeded")
+            param=param,
+            code="context_length_exceeded",
+        )
     return max_tokens

@@ -37,8 +37,7 @@ class PairingPolicy(Protocol):
         ...
 
 
-def _candidates(records: Sequence[WorkerRecord], exclude: frozenset[str], role: str
-                ) -> list[str]:
+def _candidates(records: Sequence[WorkerRecord], exclude: frozenset[str], role: str) -> list[str]:
     ids = sorted(r.worker_id for r in records if r.worker_id not in exclude)
     if not ids:
         # Retrying on an excluded worker beats refusing when it is the only one.

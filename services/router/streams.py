@@ -78,9 +78,9 @@ class RequestStream:
             self.timestamps.setdefault(name, value)
         for offset, token in enumerate(item.token_ids):
             pos = item.index + offset
-            if pos >= self._next_pos and pos not in self._by_pos:
-                if self._end_pos is None or pos < self._end_pos:
-                    self._by_pos[pos] = (token, now)
+            fresh = pos >= self._next_pos and pos not in self._by_pos
+            if fresh and (self._end_pos is None or pos < self._end_pos):
+                self._by_pos[pos] = (token, now)
         if item.finish_reason is not None:
             end = StreamEnd(item.finish_reason, item.error, item.error_code)
             if end.failed:

@@ -48,6 +48,7 @@ from shared.transfer.ucx_node import TransferNode
 log = logging.getLogger(__name__)
 
 _INLINE_HASH_BYTES = 1 << 20
+_BACKGROUND_POLL_S = 0.002  # how often the (rare) sender abort is looked for
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ class KVReceiver:
         env_req = node.post_recv(env_buf, proto.tag(tid, proto.ENVELOPE_TAG))
         abort_req = node.post_recv(abort_buf, proto.tag(tid, proto.ABORT_TAG))
         st.control += [env_req, abort_req]
-        abort_task = asyncio.create_task(node.wait(abort_req))
+        abort_task = asyncio.create_task(node.wait(abort_req, poll_s=_BACKGROUND_POLL_S))
         env_task = asyncio.create_task(node.wait(env_req))
         st.tasks += [abort_task, env_task]
         await self._race(st, env_task, abort_task, abort_buf)
@@ -218,18 +219,17 @@ class KVReceiver:
         t_data = loop.time()
 
         expected = decode_trailer(trailer_buf, tid, env_mac, self._secret)
-        if self.verify_checksums:
-            if expected != got:
-                bad = (
-                    next(i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b)
-                    if len(expected) == len(got)
-                    else -1
-                )
-                raise TransferRejected(
-                    f"checksum mismatch at logical block {bad}",
-                    request_id=ticket.request_id,
-                    retryable=True,
-                )
+        if self.verify_checksums and expected != got:
+            bad = (
+                next(i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b)
+                if len(expected) == len(got)
+                else -1
+            )
+            raise TransferRejected(
+                f"checksum mismatch at logical block {bad}",
+                request_id=ticket.request_id,
+                retryable=True,
+            )
         if self.bm.generations(dst) != env.generations:
             raise TransferRejected(
                 "generation ids changed under the reservation",

@@ -37,7 +37,8 @@ from shared.transfer.ucx_node import TransferNode
 
 log = logging.getLogger(__name__)
 
-_INLINE_HASH_BYTES = 1 << 20  # below this, a thread hop costs more than hashing inline
+_INLINE_HASH_BYTES = 1 << 20
+_SEND_POLL_S = 0.0005  # below this, a thread hop costs more than hashing inline
 
 
 @dataclass(frozen=True)
@@ -172,7 +173,9 @@ class KVSender:
             )
             state["last_posted"] = True
             for req in posted:
-                await self.node.wait(req)
+                # Polled, not hot: the receiver drives the copy (CMA get); a hot poller
+                # here would take a core from it and from the checksum threads.
+                await self.node.wait(req, poll_s=_SEND_POLL_S)
             timings["data_ms"] = (loop.time() - t0) * 1e3
 
         verdict_buf = bytearray(proto.CONTROL_CAPACITY)
@@ -184,17 +187,20 @@ class KVSender:
             async with asyncio.timeout(timeout_s):
                 ep = await self.node.endpoint(ticket.dst_address, ticket.dst_host_id)
                 pump_task = asyncio.create_task(pump(ep))
-                verdict_task = asyncio.create_task(self.node.wait(verdict_req))
+                # While data flows the pump is the one hot waiter; an early verdict (a
+                # rejection) is polled for in the background.
+                early = asyncio.create_task(self.node.wait(verdict_req, poll_s=0.002))
                 try:
                     done, _ = await asyncio.wait(
-                        {pump_task, verdict_task}, return_when=asyncio.FIRST_COMPLETED
+                        {pump_task, early}, return_when=asyncio.FIRST_COMPLETED
                     )
                     if pump_task in done:
                         pump_task.result()
                         release()
-                    await verdict_task
+                    early.cancel()
+                    await self.node.wait(verdict_req)
                 finally:
-                    verdict_task.cancel()
+                    early.cancel()
             state["verdict"] = True
             ok, reason = decode_verdict(verdict_buf, tid, self._secret)
             if not ok:

@@ -1,0 +1,103 @@
+"""``python -m services.router``: flags and env → RouterConfig → run until SIGINT/SIGTERM.
+
+Prints ``router_ready url=http://HOST:PORT`` on stdout (one line, flushed) once listening.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+
+from services.common.logging import configure_logging
+from services.router.config import PAIRING_POLICIES, RouterConfig, default_router_id
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env = os.environ.get
+    p = argparse.ArgumentParser(
+        prog="python -m services.router", description="FluidPD router (OpenAI-compatible HTTP API)"
+    )
+    p.add_argument("--id", default=env("FLUIDPD_ROUTER_ID", "") or default_router_id())
+    p.add_argument("--host", default=env("FLUIDPD_ROUTER_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=int(env("FLUIDPD_ROUTER_PORT", "8000")))
+    p.add_argument("--nats", default=env("FLUIDPD_NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument("--nats-user", default=env("FLUIDPD_NATS_USER", ""))
+    p.add_argument("--nats-password", default=env("FLUIDPD_NATS_PASSWORD", ""))
+    p.add_argument("--nats-creds", default=env("FLUIDPD_NATS_CREDS", ""))
+    p.add_argument("--subject-prefix", default=env("FLUIDPD_SUBJECT_PREFIX", "fluidpd"))
+    p.add_argument("--model", default=env("FLUIDPD_MODEL", "smollm2-135m"))
+    p.add_argument("--served-model-name", default=env("FLUIDPD_SERVED_MODEL_NAME", ""))
+    p.add_argument(
+        "--pairing", choices=PAIRING_POLICIES, default=env("FLUIDPD_PAIRING", "pressure")
+    )
+    p.add_argument(
+        "--short-prompt-tokens", type=int, default=int(env("FLUIDPD_SHORT_PROMPT_TOKENS", "0"))
+    )
+    p.add_argument("--ttft-slo-ms", type=float, default=float(env("FLUIDPD_TTFT_SLO_MS", "2000")))
+    p.add_argument(
+        "--request-timeout-s", type=float, default=float(env("FLUIDPD_REQUEST_TIMEOUT_S", "600"))
+    )
+    p.add_argument(
+        "--submit-timeout-s", type=float, default=float(env("FLUIDPD_SUBMIT_TIMEOUT_S", "5"))
+    )
+    p.add_argument("--log-json", action="store_true", default=env("FLUIDPD_LOG_JSON") == "1")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """Raises ValueError for invalid settings."""
+    return RouterConfig(
+        id=args.id,
+        host=args.host,
+        port=args.port,
+        nats_url=args.nats,
+        nats_user=args.nats_user,
+        nats_password=args.nats_password,
+        nats_creds=args.nats_creds,
+        subject_prefix=args.subject_prefix,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        pairing=args.pairing,
+        short_prompt_tokens=args.short_prompt_tokens,
+        ttft_slo_ms=args.ttft_slo_ms,
+        request_timeout_s=args.request_timeout_s,
+        submit_timeout_s=args.submit_timeout_s,
+        log_json=args.log_json,
+    )
+
+
+async def serve(cfg: RouterConfig) -> None:
+    """Run the router until SIGINT/SIGTERM."""
+    from services.router.app import Router
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with Router(cfg) as router:
+        print(f"router_ready url={router.url}", flush=True)
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(cfg.log_json, "router")
+    try:
+        import uvloop
+
+        uvloop.run(serve(cfg))
+    except ImportError:
+        asyncio.run(serve(cfg))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

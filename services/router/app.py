@@ -1,0 +1,261 @@
+"""The router process: ``async with Router(cfg) as router`` starts the bus, the registry
+watcher, the token/telemetry subscriptions and the HTTP server; ``stop()`` (idempotent)
+undoes it all. Never imports torch or shared.engine (beyond the torch-free tiny tokenizer).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
+GET /metrics. Every handler runs inside one middleware that turns typed errors into
+OpenAI-style JSON (4xx for bad input) and anything unexpected into a logged 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from services.router.config import RouterConfig
+from services.router.dispatch import Dispatcher
+from services.router.errors import ApiError, BadRequest, error_body, error_type_for
+from services.router.generate import GenerationHandler
+from services.router.metrics import RouterMetrics
+from services.router.openai_api import parse_chat, parse_completion, resolve_max_tokens
+from services.router.pairing import PressurePolicy, make_policy
+from shared.bus import Bus, BusConfig
+from shared.bus.registry import RegistryWatcher
+from shared.errors import FluidPDError
+from shared.messages import Subjects, TokenBatch, WorkerRecord, WorkerTelemetry
+from shared.tokenizer import Tokenizer
+from shared.tokenizer.models import load_tokenizer
+
+log = structlog.get_logger("fluidpd.router")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def error_response(exc: Exception) -> web.Response:
+    """OpenAI-style error JSON for ``exc`` (typed errors keep their status and code)."""
+    if isinstance(exc, ApiError):
+        status, code, message, param = exc.http_status, exc.code, exc.message, exc.param
+    elif isinstance(exc, FluidPDError):
+        status, code, message, param = exc.http_status, exc.code, str(exc), None
+    else:
+        status, code, message, param = 500, "internal_error", "internal server error", None
+    headers = {}
+    retry = getattr(exc, "retry_after_s", None)
+    if retry:
+        headers["Retry-After"] = str(retry)
+    return web.json_response(
+        error_body(message, error_type_for(status), code, param), status=status, headers=headers
+    )
+
+
+class Router:
+    """One router. Not thread-safe (one event loop)."""
+
+    def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.cfg = cfg
+        self.subjects = Subjects(cfg.subject_prefix)
+        self.registry = CollectorRegistry()
+        self.metrics = RouterMetrics.create(self.registry)
+        self.tokenizer = tokenizer
+        self.policy = make_policy(cfg.pairing, cfg.telemetry_stale_s)
+        self.bus: Bus | None = None
+        self.watcher: RegistryWatcher | None = None
+        self.dispatcher: Dispatcher | None = None
+        self.generation: GenerationHandler | None = None
+        self._runner: web.AppRunner | None = None
+        self.port = cfg.port
+        self._stopped = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.port}"
+
+    # --- lifecycle ----------------------------------------------------------------------
+    async def __aenter__(self) -> Router:
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        """Connect, watch the registry, subscribe, listen. Raises BusError, ModelLoadError,
+        TimeoutError (registry), OSError (port in use)."""
+        cfg = self.cfg
+        if self.tokenizer is None:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model)
+        bus_options: dict[str, Any] = {"name": cfg.id}
+        if cfg.nats_user:
+            bus_options.update(user=cfg.nats_user, password=cfg.nats_password)
+        if cfg.nats_creds:
+            bus_options["creds_file"] = cfg.nats_creds
+        self.bus = Bus(
+            BusConfig.from_url(cfg.nats_url, **bus_options), self.subjects, registry=self.registry
+        )
+        await self.bus.start()
+        self.dispatcher = Dispatcher(
+            cfg, self.bus, self.subjects, self.active_workers, self.policy, self.metrics
+        )
+        self.watcher = RegistryWatcher(self.bus, on_change=self.dispatcher.on_registry_change)
+        await self.watcher.start(timeout_s=cfg.registry_timeout_s)
+        await self.bus.subscribe_stream(
+            self.dispatcher.tokens_subject, TokenBatch, self.dispatcher.on_tokens
+        )
+        if isinstance(self.policy, PressurePolicy):
+            policy = self.policy
+
+            async def on_telemetry(msg: WorkerTelemetry) -> None:
+                policy.observe(msg)
+
+            await self.bus.subscribe_stream(
+                self.subjects.telemetry_all(), WorkerTelemetry, on_telemetry
+            )
+        self.generation = GenerationHandler(
+            self.dispatcher, self.tokenizer, cfg.model_name, self.metrics, cfg.request_timeout_s
+        )
+        self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, cfg.host, cfg.port)
+        await site.start()
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        if sockets:
+            self.port = sockets[0].getsockname()[1]
+        log.info(
+            "router_ready",
+            url=self.url,
+            router_id=cfg.id,
+            model=cfg.model_name,
+            pairing=cfg.pairing,
+        )
+
+    async def stop(self) -> None:
+        """Stop serving, end in-flight requests, close the bus. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.dispatcher is not None:
+            await self.dispatcher.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self.watcher is not None:
+            await self.watcher.stop()
+        if self.bus is not None:
+            await self.bus.stop()
+
+    # --- registry views -----------------------------------------------------------------
+    def active_workers(self, role: str) -> list[WorkerRecord]:
+        return [] if self.watcher is None else self.watcher.workers(role, "active")
+
+    def max_model_len(self) -> int | None:
+        """Context limit: the smallest over live workers (None when none is registered)."""
+        records = [] if self.watcher is None else self.watcher.workers()
+        return min((r.max_model_len for r in records), default=None)
+
+    # --- HTTP ---------------------------------------------------------------------------
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        endpoint = request.path if request.path in ENDPOINTS else "other"
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:  # 404/405 from routing: OpenAI shape as well
+            response = web.json_response(
+                error_body(
+                    exc.reason, error_type_for(exc.status), exc.reason.lower().replace(" ", "_")
+                ),
+                status=exc.status,
+            )
+        except FluidPDError as exc:
+            response = error_response(exc)
+            self.metrics.errors_total.labels(code=exc.code).inc()
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.metrics.requests_total.labels(endpoint=endpoint, status="499").inc()
+            raise
+        except Exception:
+            log.exception("handler_failed", endpoint=endpoint)
+            self.metrics.errors_total.labels(code="internal_error").inc()
+            response = error_response(RuntimeError())
+        self.metrics.requests_total.labels(endpoint=endpoint, status=str(response.status)).inc()
+        return response
+
+    async def _json_body(self, request: web.Request) -> Any:
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise BadRequest("the request body is not valid JSON") from None
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        assert self.tokenizer is not None and self.generation is not None
+        body = await self._json_body(request)
+        parse = parse_chat if kind == "chat" else parse_completion
+        req = parse(body, self.tokenizer, self.cfg.model_name)
+        limit = self.max_model_len()
+        if limit is None:
+            raise ApiError(
+                "no workers are registered; retry later",
+                code="no_active_workers",
+                http_status=503,
+                retry_after_s=1,
+            )
+        max_tokens = resolve_max_tokens(req, limit)
+        return await self.generation.run(request, req, max_tokens)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completion")
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        limit = self.max_model_len()
+        model: dict[str, Any] = {
+            "id": self.cfg.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "fluidpd",
+            "root": self.cfg.model,
+        }
+        if limit is not None:
+            model["max_model_len"] = limit
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        missing = [r for r in ("prefill", "decode") if not self.active_workers(r)]
+        if self.bus is None or not self.bus.is_connected:
+            return web.json_response(
+                {"status": "unavailable", "reason": "not connected to NATS"}, status=503
+            )
+        if missing:
+            return web.json_response(
+                {
+                    "status": "unavailable",
+                    "reason": "no active " + " or ".join(missing) + " worker",
+                },
+                status=503,
+            )
+        return web.json_response({"status": "ok"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
