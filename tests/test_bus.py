@@ -1,6 +1,7 @@
 """The bus wrapper against a real nats-server: request/reply (msgpack and JSON), error
 replies, streams with sequence tracking, metrics, auth, and the raw wire client."""
 
+# ruff: noqa: F811  (pytest fixtures imported from tests.support.fixtures)
 from __future__ import annotations
 
 import asyncio
@@ -53,8 +54,7 @@ SUBJECTS = Subjects()
 @pytest.fixture
 async def bus(nats_server_module):
     registry = CollectorRegistry()
-    async with Bus(BusConfig(servers=(nats_server_module.url,)), SUBJECTS,
-                   registry=registry) as b:
+    async with Bus(BusConfig(servers=(nats_server_module.url,)), SUBJECTS, registry=registry) as b:
         b.test_registry = registry  # type: ignore[attr-defined]
         yield b
 
@@ -85,10 +85,15 @@ async def test_request_reply_msgpack(bus):
     assert target.role == "prefill"
     label = "worker.*.switch"
     reg = bus.test_registry
-    assert reg.get_sample_value("fluidpd_bus_handled_messages_total",
-                                {"subject": label, "outcome": "ok"}) == 1
-    assert reg.get_sample_value("fluidpd_bus_requests_total",
-                                {"subject": label, "outcome": "ok"}) == 1
+    assert (
+        reg.get_sample_value(
+            "fluidpd_bus_handled_messages_total", {"subject": label, "outcome": "ok"}
+        )
+        == 1
+    )
+    assert (
+        reg.get_sample_value("fluidpd_bus_requests_total", {"subject": label, "outcome": "ok"}) == 1
+    )
     assert reg.get_sample_value("fluidpd_bus_handler_seconds_count", {"subject": label}) == 1
 
 
@@ -99,21 +104,36 @@ async def test_json_request_gets_json_reply_via_raw_wire(bus, nats_server_module
     await bus.serve(SUBJECTS.worker_switch(worker_id), SwitchCommand, target.handle)
     await bus.flush()
     raw = await asyncio.to_thread(
-        raw_request, nats_server_module.host, nats_server_module.port,
-        SUBJECTS.worker_switch(worker_id), b'{"role":"prefill"}', 2.0)
+        raw_request,
+        nats_server_module.host,
+        nats_server_module.port,
+        SUBJECTS.worker_switch(worker_id),
+        b'{"role":"prefill"}',
+        2.0,
+    )
     reply = json.loads(raw)
     assert reply["ok"] is True and reply["from"] == "decode" and reply["to"] == "prefill"
     # invalid JSON from an operator: a JSON error reply, and no state change
     raw = await asyncio.to_thread(
-        raw_request, nats_server_module.host, nats_server_module.port,
-        SUBJECTS.worker_switch(worker_id), b'{"role":"sideways"}', 2.0)
+        raw_request,
+        nats_server_module.host,
+        nats_server_module.port,
+        SUBJECTS.worker_switch(worker_id),
+        b'{"role":"sideways"}',
+        2.0,
+    )
     reply = json.loads(raw)
     assert reply["ok"] is False and reply["code"] == "invalid_message" and "role" in reply["error"]
     assert target.role == "prefill" and target.calls == 1
     with pytest.raises(WireError, match="no responders"):
         await asyncio.to_thread(
-            raw_request, nats_server_module.host, nats_server_module.port,
-            SUBJECTS.worker_switch(uniq("nobody")), b"{}", 2.0)
+            raw_request,
+            nats_server_module.host,
+            nats_server_module.port,
+            SUBJECTS.worker_switch(uniq("nobody")),
+            b"{}",
+            2.0,
+        )
 
 
 async def test_json_cancel_publish_reaches_handler(bus, nats_server_module):
@@ -125,8 +145,13 @@ async def test_json_cancel_publish_reaches_handler(bus, nats_server_module):
     worker_id = uniq("w")
     await bus.serve(SUBJECTS.worker_cancel(worker_id), CancelRequest, on_cancel)
     await bus.flush()
-    await asyncio.to_thread(raw_publish, nats_server_module.host, nats_server_module.port,
-                            SUBJECTS.worker_cancel(worker_id), b'{"request_id":"r42"}')
+    await asyncio.to_thread(
+        raw_publish,
+        nats_server_module.host,
+        nats_server_module.port,
+        SUBJECTS.worker_cancel(worker_id),
+        b'{"request_id":"r42"}',
+    )
     req = await asyncio.wait_for(got.get(), 2)
     assert req == CancelRequest(request_id="r42")
 
@@ -162,6 +187,7 @@ async def test_handler_errors_become_error_replies_and_serving_continues(bus):
 
 async def test_timeouts_no_responders_and_size_limit(bus):
     silent = SUBJECTS.controller_status() + uniq(".silent")
+
     async def never_answer(msg) -> None:
         pass
 
@@ -169,11 +195,21 @@ async def test_timeouts_no_responders_and_size_limit(bus):
     with pytest.raises(BusTimeoutError):
         await bus.request(silent, StatusRequest(), StatusReply, timeout_s=0.2)
     with pytest.raises(BusNoRespondersError):
-        await bus.request(SUBJECTS.worker_switch(uniq("gone")), SwitchCommand(role="decode"),
-                          SwitchReply, timeout_s=2)
+        await bus.request(
+            SUBJECTS.worker_switch(uniq("gone")),
+            SwitchCommand(role="decode"),
+            SwitchReply,
+            timeout_s=2,
+        )
     sequencer = StreamSequencer("d0")
-    huge = TokenBatch(publisher_id="d0", epoch=sequencer.epoch, seq=0, items=tuple(
-        TokenItem(request_id=f"r{i}", token_ids=(2**32 - 1,) * 200) for i in range(1000)))
+    huge = TokenBatch(
+        publisher_id="d0",
+        epoch=sequencer.epoch,
+        seq=0,
+        items=tuple(
+            TokenItem(request_id=f"r{i}", token_ids=(2**32 - 1,) * 200) for i in range(1000)
+        ),
+    )
     with pytest.raises(MessageTooLargeError):
         await bus.publish(SUBJECTS.router_tokens("rt0"), huge)
 
@@ -190,20 +226,37 @@ async def test_stream_subscription_drops_duplicates_and_reports_gaps(bus):
         if batch.seq == 5:
             done.set()
 
-    await bus.subscribe_stream(subject, TokenBatch, on_batch,
-                               on_gap=lambda pub, n: gaps.append((pub, n)))
+    await bus.subscribe_stream(
+        subject, TokenBatch, on_batch, on_gap=lambda pub, n: gaps.append((pub, n))
+    )
     for seq in (0, 1, 1, 3, 2, 5):
-        await bus.publish(subject, TokenBatch(publisher_id="d0", epoch=7, seq=seq, items=(
-            TokenItem(request_id="r1", token_ids=(seq,)),)))
+        await bus.publish(
+            subject,
+            TokenBatch(
+                publisher_id="d0",
+                epoch=7,
+                seq=seq,
+                items=(TokenItem(request_id="r1", token_ids=(seq,)),),
+            ),
+        )
     await bus.nc.publish(subject, b"not msgpack")  # counted as invalid, not a crash
     await asyncio.wait_for(done.wait(), 2)
     assert received == [0, 1, 3, 5]
     assert gaps == [("d0", 1), ("d0", 1)]
     reg = bus.test_registry
-    assert reg.get_sample_value("fluidpd_bus_stream_gap_messages_total",
-                                {"subject": "router.*.tokens"}) == 2
-    assert reg.get_sample_value("fluidpd_bus_handled_messages_total",
-                                {"subject": "router.*.tokens", "outcome": "duplicate"}) == 2
+    assert (
+        reg.get_sample_value(
+            "fluidpd_bus_stream_gap_messages_total", {"subject": "router.*.tokens"}
+        )
+        == 2
+    )
+    assert (
+        reg.get_sample_value(
+            "fluidpd_bus_handled_messages_total",
+            {"subject": "router.*.tokens", "outcome": "duplicate"},
+        )
+        == 2
+    )
 
 
 async def test_auth_and_idempotent_stop(nats_server_auth):
@@ -214,19 +267,28 @@ async def test_auth_and_idempotent_stop(nats_server_auth):
     worker_id = uniq("w")
     await bus.serve(SUBJECTS.worker_switch(worker_id), SwitchCommand, SwitchTarget().handle)
     await bus.flush()
-    raw = await asyncio.to_thread(raw_request, server.host, server.port,
-                                  SUBJECTS.worker_switch(worker_id), b'{"role":"decode"}', 2.0,
-                                  TEST_USER, TEST_PASSWORD)
+    raw = await asyncio.to_thread(
+        raw_request,
+        server.host,
+        server.port,
+        SUBJECTS.worker_switch(worker_id),
+        b'{"role":"decode"}',
+        2.0,
+        TEST_USER,
+        TEST_PASSWORD,
+    )
     assert json.loads(raw)["ok"] is True
     with pytest.raises(WireError):
-        await asyncio.to_thread(raw_request, server.host, server.port,
-                                SUBJECTS.worker_switch(worker_id), b"{}", 2.0)
+        await asyncio.to_thread(
+            raw_request, server.host, server.port, SUBJECTS.worker_switch(worker_id), b"{}", 2.0
+        )
     await bus.stop()
     await bus.stop()  # idempotent
     with pytest.raises(BusConnectionError):
         await bus.publish(SUBJECTS.worker_cancel("w"), CancelRequest(request_id="r"))
-    bad = BusConfig(servers=(server.url,), user=TEST_USER, password="wrong",
-                    initial_connect_deadline_s=0.5)
+    bad = BusConfig(
+        servers=(server.url,), user=TEST_USER, password="wrong", initial_connect_deadline_s=0.5
+    )
     with pytest.raises(BusConnectionError):
         await Bus(bad, SUBJECTS).start()
     assert "wrong" not in repr(bad)
@@ -242,13 +304,20 @@ def test_bus_config_validation():
     assert BusConfig.from_url("nats://a:1, nats://b:2").servers == ("nats://a:1", "nats://b:2")
 
 
-@settings(max_examples=25, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(payload=st.binary(max_size=64)
-       | st.dictionaries(st.text(max_size=8), st.integers() | st.text(max_size=8) | st.none(),
-                         max_size=3).map(lambda d: json.dumps(d).encode())
-       | st.dictionaries(st.text(max_size=8), st.integers() | st.binary(max_size=8),
-                         max_size=3).map(lambda d: msgpack.packb(d)))
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    payload=st.binary(max_size=64)
+    | st.dictionaries(
+        st.text(max_size=8), st.integers() | st.text(max_size=8) | st.none(), max_size=3
+    ).map(lambda d: json.dumps(d).encode())
+    | st.dictionaries(
+        st.text(max_size=8), st.integers(-(2**63), 2**63 - 1) | st.binary(max_size=8), max_size=3
+    ).map(lambda d: msgpack.packb(d))
+)
 async def test_fuzz_control_subject_answers_error_or_valid_never_crashes(bus, payload):
     target = SwitchTarget()
     subject = SUBJECTS.worker_switch(uniq("fz"))

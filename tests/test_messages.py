@@ -54,59 +54,157 @@ from shared.messages.common import MAX_ERROR_CHARS, MAX_ID_CHARS, MAX_STOP_TOKEN
 from shared.messages.limits import MAX_TOKEN_ID
 from shared.messages.streams import MAX_ITEM_TOKENS
 
-SP = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.9, top_k=40, seed=7,
-                    stop_token_ids=(2, 3), ignore_eos=True)
+SP = SamplingParams(
+    max_tokens=8,
+    temperature=0.7,
+    top_p=0.9,
+    top_k=40,
+    seed=7,
+    stop_token_ids=(2, 3),
+    ignore_eos=True,
+)
 
 SAMPLES = {
     SamplingParams: SP,
     Ack: Ack(request_id="r1"),
     ErrorReply: ErrorReply(code="kv_capacity_exhausted", error="full", retry_after_ms=50),
     PrefillRequest: PrefillRequest(
-        request_id="r1", router_id="rt0", prompt_token_ids=(1, 2, 3), sampling=SP,
-        decode_worker_id="d0", arrival_time_s=10.0, ttft_deadline_s=10.5,
-        tokens_subject="fluidpd.router.rt0.tokens", priority=1),
+        request_id="r1",
+        router_id="rt0",
+        prompt_token_ids=(1, 2, 3),
+        sampling=SP,
+        decode_worker_id="d0",
+        arrival_time_s=10.0,
+        ttft_deadline_s=10.5,
+        tokens_subject="fluidpd.router.rt0.tokens",
+        priority=1,
+    ),
     AdmitRequest: AdmitRequest(
-        request_id="r1", router_id="rt0", prompt_len=100, max_tokens=8,
-        prefill_worker_id="p0", suffix_len=20, sampling=SP,
-        tokens_subject="fluidpd.router.rt0.tokens"),
-    AdmitReply: AdmitReply(ok=True, transfer_id=2**64 - 1, block_ids=(4, 5),
-                           generations=(9, 2**40), ucx_address=b"\x00\x01ucx"),
-    HandoffNotice: HandoffNotice(request_id="r1", transfer_id=3, first_token_id=None,
-                                 num_prompt_tokens_computed=80, status="ok"),
+        request_id="r1",
+        router_id="rt0",
+        prompt_len=100,
+        max_tokens=8,
+        prefill_worker_id="p0",
+        suffix_len=20,
+        sampling=SP,
+        tokens_subject="fluidpd.router.rt0.tokens",
+    ),
+    AdmitReply: AdmitReply(
+        ok=True,
+        transfer_id=2**64 - 1,
+        block_ids=(4, 5),
+        generations=(9, 2**40),
+        ucx_address=b"\x00\x01ucx",
+    ),
+    HandoffNotice: HandoffNotice(
+        request_id="r1",
+        transfer_id=3,
+        first_token_id=None,
+        num_prompt_tokens_computed=80,
+        status="ok",
+    ),
     CancelRequest: CancelRequest(request_id="r1", reason="client gone"),
     SwitchCommand: SwitchCommand(role="prefill"),
     SwitchReply: SwitchReply(ok=True, from_role="decode", to_role="prefill"),
     MigrateRequest: MigrateRequest(
-        request_id="r1", router_id="rt0", tokens_subject="fluidpd.router.rt0.tokens",
-        source_worker_id="d1", prompt_len=10, num_tokens=13, generated_token_ids=(5, 6, 7),
-        sampling=SP, rng_offset=3),
+        request_id="r1",
+        router_id="rt0",
+        tokens_subject="fluidpd.router.rt0.tokens",
+        source_worker_id="d1",
+        prompt_len=10,
+        num_tokens=13,
+        generated_token_ids=(5, 6, 7),
+        sampling=SP,
+        rng_offset=3,
+    ),
     TokenItem: TokenItem(request_id="r1", token_ids=(5,), timestamps={"prefill_end_s": 1.5}),
-    TokenBatch: TokenBatch(publisher_id="d0", epoch=1, seq=0, items=(
-        TokenItem(request_id="r1", token_ids=(5, 6)),
-        TokenItem(request_id="r2", token_ids=(), finish_reason="error", error="boom",
-                  error_code="internal_error"))),
+    TokenBatch: TokenBatch(
+        publisher_id="d0",
+        epoch=1,
+        seq=0,
+        items=(
+            TokenItem(request_id="r1", token_ids=(5, 6)),
+            TokenItem(
+                request_id="r2",
+                token_ids=(),
+                finish_reason="error",
+                error="boom",
+                error_code="internal_error",
+            ),
+        ),
+    ),
     WorkerTelemetry: WorkerTelemetry(
-        publisher_id="d0", epoch=1, seq=4, time_s=12.5, role="decode", state="active",
-        queue_len=3, running=12, free_blocks=100, total_blocks=400, ppi=0.0,
-        dpi_load=0.4, dpi_adm=0.2, steal_budgets={"p0": 512}, stolen_tokens_total=9000,
-        metrics={"tpot_ms_p95": 31.5, "inf_check": float("inf")}),
-    StateEvent: StateEvent(publisher_id="d0", epoch=1, seq=0, time_s=1.0, role="decode",
-                           from_state="active", to_state="draining", reason="switch"),
+        publisher_id="d0",
+        epoch=1,
+        seq=4,
+        time_s=12.5,
+        role="decode",
+        state="active",
+        queue_len=3,
+        running=12,
+        free_blocks=100,
+        total_blocks=400,
+        ppi=0.0,
+        dpi_load=0.4,
+        dpi_adm=0.2,
+        steal_budgets={"p0": 512},
+        stolen_tokens_total=9000,
+        metrics={"tpot_ms_p95": 31.5, "inf_check": float("inf")},
+    ),
+    StateEvent: StateEvent(
+        publisher_id="d0",
+        epoch=1,
+        seq=0,
+        time_s=1.0,
+        role="decode",
+        from_state="active",
+        to_state="draining",
+        reason="switch",
+    ),
     ControllerDecision: ControllerDecision(
-        publisher_id="ctl", epoch=1, seq=0, time_s=2.0, action="switch_d2p",
-        target_worker_id="d3", reason="ppi persist", inputs={"ppi_p95": 1.4}),
+        publisher_id="ctl",
+        epoch=1,
+        seq=0,
+        time_s=2.0,
+        action="switch_d2p",
+        target_worker_id="d3",
+        reason="ppi persist",
+        inputs={"ppi_p95": 1.4},
+    ),
     StatusRequest: StatusRequest(role="decode"),
-    WorkerRow: WorkerRow(worker_id="d0", role="decode", state="active", free_blocks=1,
-                         total_blocks=2, ppi=0.0, dpi_load=0.5, dpi_adm=0.1,
-                         stolen_tokens=0, pid=123, last_seen_s=0.02),
+    WorkerRow: WorkerRow(
+        worker_id="d0",
+        role="decode",
+        state="active",
+        free_blocks=1,
+        total_blocks=2,
+        ppi=0.0,
+        dpi_load=0.5,
+        dpi_adm=0.1,
+        stolen_tokens=0,
+        pid=123,
+        last_seen_s=0.02,
+    ),
     StatusReply: StatusReply(auto=True, time_s=3.0),
     PolicyCommand: PolicyCommand(auto=False),
     PolicyReply: PolicyReply(ok=True, auto=False),
     WorkerRecord: WorkerRecord(
-        worker_id="d0", role="decode", state="active", pid=1, host="h", ucx_address=b"\xff" * 40,
-        model="tiny", fingerprint="abc", kv_total_blocks=100, kv_block_size=16,
-        max_model_len=2048, started_at_s=1.0, heartbeat_at_s=2.0, heartbeat_period_s=1.0,
-        engine="emulated"),
+        worker_id="d0",
+        role="decode",
+        state="active",
+        pid=1,
+        host="h",
+        ucx_address=b"\xff" * 40,
+        model="tiny",
+        fingerprint="abc",
+        kv_total_blocks=100,
+        kv_block_size=16,
+        max_model_len=2048,
+        started_at_s=1.0,
+        heartbeat_at_s=2.0,
+        heartbeat_period_s=1.0,
+        engine="emulated",
+    ),
 }
 
 
@@ -137,8 +235,9 @@ def test_operator_json_without_tag_or_version():
     assert decode(b"", StatusRequest) == StatusRequest()
     assert decode(b"{}", StatusRequest) == StatusRequest()
     assert decode(b'{"request_id":"r9"}', CancelRequest).request_id == "r9"
-    reply = json.loads(encode(SwitchReply(ok=True, from_role="decode", to_role="prefill"),
-                              json_mode=True))
+    reply = json.loads(
+        encode(SwitchReply(ok=True, from_role="decode", to_role="prefill"), json_mode=True)
+    )
     assert reply["ok"] is True and reply["from"] == "decode" and reply["to"] == "prefill"
     assert "error" not in reply  # unset optional fields are left out of JSON
 
@@ -234,34 +333,56 @@ def test_decode_reply_distinguishes_error_replies():
 
 def test_worst_case_prefill_and_migrate_fit_by_construction():
     long_id = "\U0001f600" * MAX_ID_CHARS  # 4 UTF-8 bytes per char
-    sampling = SamplingParams(max_tokens=2**31, seed=2**63,
-                              stop_token_ids=(MAX_TOKEN_ID,) * MAX_STOP_TOKEN_IDS)
+    sampling = SamplingParams(
+        max_tokens=2**31, seed=2**63, stop_token_ids=(MAX_TOKEN_ID,) * MAX_STOP_TOKEN_IDS
+    )
     tokens = (MAX_TOKEN_ID,) * MAX_WIRE_TOKEN_IDS
     prefill = PrefillRequest(
-        request_id=long_id, router_id=long_id, prompt_token_ids=tokens, sampling=sampling,
-        decode_worker_id=long_id, arrival_time_s=1e12, ttft_deadline_s=1e12 + 1,
-        tokens_subject="\U0001f600" * 256, priority=-(2**63))
+        request_id=long_id,
+        router_id=long_id,
+        prompt_token_ids=tokens,
+        sampling=sampling,
+        decode_worker_id=long_id,
+        arrival_time_s=1e12,
+        ttft_deadline_s=1e12 + 1,
+        tokens_subject="\U0001f600" * 256,
+        priority=-(2**63),
+    )
     assert len(encode(prefill)) <= MAX_MESSAGE_BYTES
     migrate = MigrateRequest(
-        request_id=long_id, router_id=long_id, tokens_subject="\U0001f600" * 256,
-        source_worker_id=long_id, prompt_len=2**40, num_tokens=MAX_WIRE_TOKEN_IDS,
-        generated_token_ids=tokens, sampling=sampling, rng_offset=2**63)
+        request_id=long_id,
+        router_id=long_id,
+        tokens_subject="\U0001f600" * 256,
+        source_worker_id=long_id,
+        prompt_len=2**40,
+        num_tokens=MAX_WIRE_TOKEN_IDS,
+        generated_token_ids=tokens,
+        sampling=sampling,
+        rng_offset=2**63,
+    )
     assert len(encode(migrate)) <= MAX_MESSAGE_BYTES
-    admit = AdmitReply(ok=False, transfer_id=2**64 - 1, block_ids=(MAX_TOKEN_ID,) * MAX_WIRE_BLOCKS,
-                       generations=(2**64 - 1,) * MAX_WIRE_BLOCKS, ucx_address=b"\xff" * 65536,
-                       error="\U0001f600" * MAX_ERROR_CHARS, retry_after_ms=2**63)
+    admit = AdmitReply(
+        ok=False,
+        transfer_id=2**64 - 1,
+        block_ids=(MAX_TOKEN_ID,) * MAX_WIRE_BLOCKS,
+        generations=(2**64 - 1,) * MAX_WIRE_BLOCKS,
+        ucx_address=b"\xff" * 65536,
+        error="\U0001f600" * MAX_ERROR_CHARS,
+        retry_after_ms=2**63,
+    )
     assert len(encode(admit)) <= MAX_MESSAGE_BYTES
     # one token more than the bound is refused by validation (not by a timeout later)
     with pytest.raises(MessageError):
-        encode(PrefillRequest(**{**prefill.__dict__, "prompt_token_ids": tokens + (1,)}))
+        encode(PrefillRequest(**{**prefill.__dict__, "prompt_token_ids": (*tokens, 1)}))
     check_context_fits(MAX_WIRE_TOKEN_IDS)
     with pytest.raises(ContextLengthError):
         check_context_fits(MAX_WIRE_TOKEN_IDS + 1)
 
 
 def test_encode_refuses_oversized_messages():
-    items = tuple(TokenItem(request_id=f"r{i}", token_ids=(MAX_TOKEN_ID,) * 100)
-                  for i in range(2000))
+    items = tuple(
+        TokenItem(request_id=f"r{i}", token_ids=(MAX_TOKEN_ID,) * 100) for i in range(2000)
+    )
     batch = TokenBatch(publisher_id="d0", epoch=1, seq=0, items=items)
     with pytest.raises(MessageTooLargeError):
         encode(batch)
@@ -274,8 +395,13 @@ def test_encode_refuses_oversized_messages():
 def test_pack_token_batches_splits_under_the_limit_and_keeps_order():
     sequencer = StreamSequencer("d0", epoch=5)
     items = [TokenItem(request_id=f"req-{i}", token_ids=(MAX_TOKEN_ID,) * 100) for i in range(2000)]
-    items.append(TokenItem(request_id="long", token_ids=tuple(range(MAX_ITEM_TOKENS * 2 + 5)),
-                           finish_reason="length"))
+    items.append(
+        TokenItem(
+            request_id="long",
+            token_ids=tuple(range(MAX_ITEM_TOKENS * 2 + 5)),
+            finish_reason="length",
+        )
+    )
     items.append(TokenItem(request_id="err", finish_reason="error", error="x" * 100_000))
     batches = pack_token_batches(sequencer, "router.rt0", items)
     assert len(batches) > 1
@@ -289,7 +415,8 @@ def test_pack_token_batches_splits_under_the_limit_and_keeps_order():
     assert sum((p.token_ids for p in long_pieces), ()) == tuple(range(MAX_ITEM_TOKENS * 2 + 5))
     assert [p.finish_reason for p in long_pieces] == [None, None, "length"]
     assert [i.request_id for i in flat if i.request_id.startswith("req-")] == [
-        f"req-{i}" for i in range(2000)]
+        f"req-{i}" for i in range(2000)
+    ]
     err = next(i for i in flat if i.request_id == "err")
     assert len(err.error) == MAX_ERROR_CHARS
     assert pack_token_batches(sequencer, "router.rt0", []) == []
@@ -339,8 +466,9 @@ def test_sequence_tracker_property(seqs):
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
     max_leaves=20,
 )
 CONTROL_TYPES = [t for t in ALL_MESSAGE_TYPES if t.JSON_ACCEPTED]
@@ -349,9 +477,27 @@ CONTROL_TYPES = [t for t in ALL_MESSAGE_TYPES if t.JSON_ACCEPTED]
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     msg_type=st.sampled_from(CONTROL_TYPES),
-    obj=st.dictionaries(st.sampled_from(["role", "auto", "request_id", "reason", "ok", "code",
-                                         "error", "from", "to", "_t", "_v", "x"]) | st.text(),
-                        json_values, max_size=5),
+    obj=st.dictionaries(
+        st.sampled_from(
+            [
+                "role",
+                "auto",
+                "request_id",
+                "reason",
+                "ok",
+                "code",
+                "error",
+                "from",
+                "to",
+                "_t",
+                "_v",
+                "x",
+            ]
+        )
+        | st.text(),
+        json_values,
+        max_size=5,
+    ),
 )
 def test_random_json_is_a_message_or_a_message_error(msg_type, obj):
     data = json.dumps(obj).encode()
@@ -392,9 +538,16 @@ sampling_st = st.builds(
     request_id=st.text(min_size=1, max_size=MAX_ID_CHARS),
 )
 def test_prefill_request_round_trip_property(sampling, tokens, request_id):
-    msg = PrefillRequest(request_id=request_id, router_id="rt", prompt_token_ids=tokens,
-                         sampling=sampling, decode_worker_id="d0", arrival_time_s=1.0,
-                         ttft_deadline_s=2.0, tokens_subject="s")
+    msg = PrefillRequest(
+        request_id=request_id,
+        router_id="rt",
+        prompt_token_ids=tokens,
+        sampling=sampling,
+        decode_worker_id="d0",
+        arrival_time_s=1.0,
+        ttft_deadline_s=2.0,
+        tokens_subject="s",
+    )
     assert decode(encode(msg), PrefillRequest) == msg
 
 
@@ -406,9 +559,22 @@ def test_prefill_request_round_trip_property(sampling, tokens, request_id):
 )
 def test_telemetry_round_trip_property(metrics, budgets, seq):
     msg = WorkerTelemetry(
-        publisher_id="p0", epoch=1, seq=seq, time_s=1.0, role="prefill", state="active",
-        queue_len=0, running=0, free_blocks=0, total_blocks=0, ppi=1.5, dpi_load=0.0,
-        dpi_adm=0.0, steal_budgets=budgets, metrics=metrics)
+        publisher_id="p0",
+        epoch=1,
+        seq=seq,
+        time_s=1.0,
+        role="prefill",
+        state="active",
+        queue_len=0,
+        running=0,
+        free_blocks=0,
+        total_blocks=0,
+        ppi=1.5,
+        dpi_load=0.0,
+        dpi_adm=0.0,
+        steal_budgets=budgets,
+        metrics=metrics,
+    )
     assert decode(encode(msg), WorkerTelemetry) == msg
 
 

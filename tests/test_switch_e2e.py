@@ -27,13 +27,17 @@ SUBJECTS = Subjects()
 
 
 @pytest.fixture(scope="module")
-def cluster(nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def cluster(
+    nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("switch-logs")
     args = ("--model", "tiny", "--num-kv-blocks", "256", "--block-size", "4")
     url = nats_server_module.url
-    procs = [start_worker("prefill", "p0", url, *args, log_dir=logs),
-             start_worker("prefill", "p1", url, *args, log_dir=logs),
-             start_worker("decode", "d0", url, *args, log_dir=logs)]
+    procs = [
+        start_worker("prefill", "p0", url, *args, log_dir=logs),
+        start_worker("prefill", "p1", url, *args, log_dir=logs),
+        start_worker("decode", "d0", url, *args, log_dir=logs),
+    ]
     try:
         yield url
     finally:
@@ -49,8 +53,9 @@ async def client(cluster: str) -> AsyncIterator[BusClient]:
 
 def _wire(url: str, worker: str, payload: bytes) -> dict:  # type: ignore[type-arg]
     u = urlparse(url)
-    reply = raw_request(u.hostname or "127.0.0.1", u.port or 4222,
-                        SUBJECTS.worker_switch(worker), payload, 5.0)
+    reply = raw_request(
+        u.hostname or "127.0.0.1", u.port or 4222, SUBJECTS.worker_switch(worker), payload, 5.0
+    )
     if payload.startswith(b"{"):
         return json.loads(reply)  # JSON in, JSON out (what an operator sees)
     msg = decode_reply(reply, SwitchReply)  # msgpack in, msgpack out
@@ -78,18 +83,23 @@ async def test_switch_p_to_d_and_back_keeps_outputs(cluster: str, client: BusCli
     ref = Engine.load(EngineConfig(model="tiny", block_size=4, num_kv_blocks=512))
     rng = random.Random(9)
     prompts = [[rng.randrange(4, 300) for _ in range(rng.randrange(5, 50))] for _ in range(6)]
-    want = [o.token_ids for o in generate(ref, prompts, SamplingParams(max_tokens=10,
-                                                                       ignore_eos=True))]
+    want = [
+        o.token_ids for o in generate(ref, prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    ]
     pid_before = client.telemetry["p1"].metrics["pid"]
     # Load on p1 while it switches: queued work must be handed to p0, nothing dropped.
     rids = [await client.submit("p1", "d0", p, 10) for p in prompts]
     answer = await asyncio.to_thread(_wire, cluster, "p1", b'{"role":"decode"}')
     assert {k: answer[k] for k in ("ok", "from", "to")} == {
-        "ok": True, "from": "prefill", "to": "decode"}
+        "ok": True,
+        "from": "prefill",
+        "to": "decode",
+    }
     assert client.watcher is not None
     await client.watcher.wait_until(
         lambda w: (r := w.get("p1")) is not None and r.role == "decode" and r.state == "active",
-        30.0)
+        30.0,
+    )
     assert [(await client.result(r)).token_ids for r in rids] == want
     # p1 now decodes: route a request p0 -> p1.
     rid = await client.submit("p0", "p1", prompts[0], 10)
@@ -100,8 +110,63 @@ async def test_switch_p_to_d_and_back_keeps_outputs(cluster: str, client: BusCli
     assert answer["ok"] is True
     await client.watcher.wait_until(
         lambda w: (r := w.get("p1")) is not None and r.role == "prefill" and r.state == "active",
-        30.0)
+        30.0,
+    )
     rid = await client.submit("p1", "d0", prompts[1], 10)
     assert (await client.result(rid)).token_ids == want[1]
-    await client.wait_telemetry(lambda t: all(
-        t[w].free_blocks == t[w].total_blocks for w in ("p0", "p1", "d0")))
+    await client.wait_telemetry(
+        lambda t: all(t[w].free_blocks == t[w].total_blocks for w in ("p0", "p1", "d0"))
+    )
+
+
+@pytest.fixture(scope="module")
+def decode_pair(
+    nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory, cluster: str
+) -> Iterator[str]:
+    """A second decode worker d1 joins the cluster (for D->P with live migration)."""
+    logs = tmp_path_factory.mktemp("switch-logs-d1")
+    args = ("--model", "tiny", "--num-kv-blocks", "256", "--block-size", "4")
+    proc = start_worker("decode", "d1", cluster, *args, log_dir=logs)
+    try:
+        yield "d1"
+    finally:
+        assert stop_all([proc]) == [0]
+
+
+async def test_d_to_p_live_migration_keeps_streams_exact(
+    cluster: str, client: BusClient, decode_pair: str
+) -> None:
+    await client.wait_workers(["d1"])
+    ref = Engine.load(EngineConfig(model="tiny", block_size=4, num_kv_blocks=512))
+    rng = random.Random(21)
+    prompts = [[rng.randrange(4, 300) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
+    n = 150
+    want = [
+        o.token_ids for o in generate(ref, prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+    ]
+    rids = [await client.submit("p0", "d1", p, n) for p in prompts]
+    # Switch once every request is decoding on d1 (some tokens streamed already).
+    await client.wait_telemetry(
+        lambda t: all(
+            len(client.results.get(r, None).token_ids) > 5 if r in client.results else False
+            for r in rids
+        )
+    )
+    answer = await asyncio.to_thread(_wire, cluster, "d1", b'{"role":"prefill"}')
+    assert answer["ok"] is True
+    results = [await client.result(r) for r in rids]
+    for got, w in zip(results, want, strict=True):
+        assert got.error is None
+        assert got.indices == list(range(n)), "a gap or a repeated token in the stream"
+        assert got.token_ids == w
+    assert client.watcher is not None
+    await client.watcher.wait_until(
+        lambda w: (r := w.get("d1")) is not None and r.role == "prefill" and r.state == "active",
+        30.0,
+    )
+    await client.wait_telemetry(
+        lambda t: all(t[w].free_blocks == t[w].total_blocks for w in ("p0", "p1", "d0", "d1"))
+    )
+    # The long requests were live-migrated (not waited for): d1 sent them, d0 took them.
+    moved = client.telemetry["d1"].metrics["migrations_out_total"]
+    assert moved >= 1 and client.telemetry["d0"].metrics["migrations_in_total"] == moved

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest.fixture(scope="module")
-def cluster(nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def cluster(
+    nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("worker-logs")
     args = ("--model", "tiny", "--num-kv-blocks", "256", "--block-size", "4")
     procs = [
@@ -55,8 +57,14 @@ def _prompts(n: int, seed: int, vocab: int) -> list[list[int]]:
 
 async def _all_blocks_free(client: BusClient) -> None:
     await client.wait_telemetry(
-        lambda t: all(t.get(w) and t[w].free_blocks == t[w].total_blocks
-                      and t[w].queue_len == 0 and t[w].running == 0 for w in ("p0", "d0")))
+        lambda t: all(
+            t.get(w)
+            and t[w].free_blocks == t[w].total_blocks
+            and t[w].queue_len == 0
+            and t[w].running == 0
+            for w in ("p0", "d0")
+        )
+    )
 
 
 async def test_disaggregated_equals_generate(client: BusClient, reference: Engine) -> None:
@@ -86,8 +94,9 @@ async def test_split_equals_unsplit(client: BusClient, reference: Engine, beta: 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
 @given(beta=st.floats(0.0, 0.99), length=st.integers(2, 50))
-def test_random_split_equals_unsplit(client: BusClient, reference: Engine, beta: float,
-                                     length: int) -> None:
+def test_random_split_equals_unsplit(
+    client: BusClient, reference: Engine, beta: float, length: int
+) -> None:
     prompt = _prompts(1, length, reference.model_config.vocab_size)[0][:length] or [5, 6]
     want = generate(reference, [prompt], SamplingParams(max_tokens=5, ignore_eos=True))[0]
 
@@ -117,8 +126,11 @@ async def test_single_worker_path(client: BusClient, reference: Engine) -> None:
 
 async def test_cancel_mid_decode_frees_blocks(client: BusClient) -> None:
     rid = await client.submit("p0", "d0", list(range(10, 40)), 900)
-    await client.wait_telemetry(lambda t: len(client.results.get(rid, None).token_ids) > 3
-                                if rid in client.results else False)
+    await client.wait_telemetry(
+        lambda t: (
+            len(client.results.get(rid, None).token_ids) > 3 if rid in client.results else False
+        )
+    )
     await client.cancel(rid, "p0", "d0")
     await _all_blocks_free(client)
     assert client.results[rid].finish_reason is None  # never finished: it was cancelled

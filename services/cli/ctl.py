@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -66,13 +67,21 @@ def resolve_nats_url(flag: str | None) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--nats", default=None, help="NATS URL (default: $FLUIDPD_NATS_URL, "
-                        "the running `fluidpd up`, or nats://127.0.0.1:4222)")
-    common.add_argument("--subject-prefix", default=os.environ.get("FLUIDPD_SUBJECT_PREFIX",
-                                                                   "fluidpd"))
+    common.add_argument(
+        "--nats",
+        default=None,
+        help="NATS URL (default: $FLUIDPD_NATS_URL, "
+        "the running `fluidpd up`, or nats://127.0.0.1:4222)",
+    )
+    common.add_argument(
+        "--subject-prefix", default=os.environ.get("FLUIDPD_SUBJECT_PREFIX", "fluidpd")
+    )
     common.add_argument("--timeout", type=float, default=None, help="seconds to wait for a reply")
-    p = argparse.ArgumentParser(prog="fluidpd ctl", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="fluidpd ctl",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("status", parents=[common], help="every live worker")
     st.add_argument("--json", action="store_true", help="print a JSON list of workers")
@@ -103,12 +112,31 @@ def row_to_json(row: WorkerRow) -> dict[str, Any]:
 
 def format_table(reply: StatusReply) -> str:
     """A fixed-width table for a person. Pure."""
-    head = ("ID", "ROLE", "STATE", "KV FREE/TOTAL", "PPI", "DPI_LOAD", "DPI_ADM", "STOLEN",
-            "PID", "SEEN")
+    head = (
+        "ID",
+        "ROLE",
+        "STATE",
+        "KV FREE/TOTAL",
+        "PPI",
+        "DPI_LOAD",
+        "DPI_ADM",
+        "STOLEN",
+        "PID",
+        "SEEN",
+    )
     rows = [head] + [
-        (w.worker_id, w.role, w.state, f"{w.free_blocks}/{w.total_blocks}", f"{w.ppi:.2f}",
-         f"{w.dpi_load:.2f}", f"{w.dpi_adm:.2f}", str(w.stolen_tokens), str(w.pid),
-         "-" if w.last_seen_s < 0 else f"{w.last_seen_s:.1f}s")
+        (
+            w.worker_id,
+            w.role,
+            w.state,
+            f"{w.free_blocks}/{w.total_blocks}",
+            f"{w.ppi:.2f}",
+            f"{w.dpi_load:.2f}",
+            f"{w.dpi_adm:.2f}",
+            str(w.stolen_tokens),
+            str(w.pid),
+            "-" if w.last_seen_s < 0 else f"{w.last_seen_s:.1f}s",
+        )
         for w in reply.workers
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
@@ -124,31 +152,53 @@ def message_json(msg: Message) -> dict[str, Any]:
     return {k: v for k, v in doc.items() if not k.startswith("_")}
 
 
-async def _request(args: argparse.Namespace, url: str, subject_of: str, msg: Message,
-                   reply_type: type[Any], timeout_s: float) -> Any:
+async def _request(
+    args: argparse.Namespace,
+    url: str,
+    subject_of: str,
+    msg: Message,
+    reply_type: type[Any],
+    timeout_s: float,
+) -> Any:
     subjects = Subjects(args.subject_prefix)
-    subject = getattr(subjects, subject_of)(*([args.worker] if subject_of == "worker_switch"
-                                             else []))
-    cfg = BusConfig.from_url(url, name="fluidpd-ctl", initial_connect_deadline_s=3.0,
-                             connect_timeout_s=2.0, reconnect_wait_s=0.2, drain_timeout_s=1.0)
+    subject = getattr(subjects, subject_of)(
+        *([args.worker] if subject_of == "worker_switch" else [])
+    )
+    cfg = BusConfig.from_url(
+        url,
+        name="fluidpd-ctl",
+        initial_connect_deadline_s=3.0,
+        connect_timeout_s=2.0,
+        reconnect_wait_s=0.2,
+        drain_timeout_s=1.0,
+    )
     bus = Bus(cfg, subjects)
     try:
-        await bus.start()
-    except BusConnectionError:
+        # nats-py retries an unreachable server forever when reconnects are allowed, so
+        # the bus's own connect deadline is not enough: bound it here.
+        await asyncio.wait_for(bus.start(), 4.0)
+    except (BusConnectionError, TimeoutError):
+        await _quiet_stop(bus)
         raise CtlError(f"cannot reach NATS at {_redact(url)}") from None
     try:
         return await bus.request(subject, msg, reply_type, timeout_s)
     except BusNoRespondersError:
         who = f"worker {args.worker}" if subject_of == "worker_switch" else "the controller"
-        raise CtlError(f"no answer from {who}: is it running? (no responders on {subject})"
-                       ) from None
+        raise CtlError(
+            f"no answer from {who}: is it running? (no responders on {subject})"
+        ) from None
     except BusTimeoutError:
         who = f"worker {args.worker}" if subject_of == "worker_switch" else "the controller"
         raise CtlError(f"{who} did not answer within {timeout_s:g} s") from None
     except BusConnectionError as exc:
         raise CtlError(f"lost the NATS connection: {exc}") from None
     finally:
-        await bus.stop()
+        await _quiet_stop(bus)
+
+
+async def _quiet_stop(bus: Bus) -> None:
+    with contextlib.suppress(TimeoutError, BusError, OSError):
+        await asyncio.wait_for(bus.stop(), 2.0)
 
 
 def _redact(url: str) -> str:
@@ -159,8 +209,9 @@ async def _run(args: argparse.Namespace) -> int:
     url = resolve_nats_url(args.nats)
     if args.cmd == "status":
         timeout_s = args.timeout or 3.0
-        reply: StatusReply = await _request(args, url, "controller_status", StatusRequest(),
-                                            StatusReply, timeout_s)
+        reply: StatusReply = await _request(
+            args, url, "controller_status", StatusRequest(), StatusReply, timeout_s
+        )
         if args.json:
             print(json.dumps([row_to_json(w) for w in reply.workers], indent=2))
         else:
@@ -169,25 +220,31 @@ async def _run(args: argparse.Namespace) -> int:
     if args.cmd == "switch":
         timeout_s = args.timeout or 60.0  # a D→P drain can take seconds
         try:
-            sw: SwitchReply = await _request(args, url, "worker_switch",
-                                             SwitchCommand(role=args.role), SwitchReply, timeout_s)
+            sw: SwitchReply = await _request(
+                args, url, "worker_switch", SwitchCommand(role=args.role), SwitchReply, timeout_s
+            )
         except RemoteError as exc:
             print(json.dumps({"ok": False, "error": str(exc)}))
             return 1
         print(json.dumps(message_json(sw)))
         return 0 if sw.ok else 1
     timeout_s = args.timeout or 3.0
-    pol: PolicyReply = await _request(args, url, "controller_policy",
-                                      PolicyCommand(auto=args.mode == "resume"), PolicyReply,
-                                      timeout_s)
+    pol: PolicyReply = await _request(
+        args,
+        url,
+        "controller_policy",
+        PolicyCommand(auto=args.mode == "resume"),
+        PolicyReply,
+        timeout_s,
+    )
     print(json.dumps(message_json(pol)))
     return 0 if pol.ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Only warnings and worse from the bus: the operator wants the answer, not our logs.
-    configure_logging(json_logs=False, service="ctl", level=logging.WARNING)
+    # Only errors from the bus: the operator wants the answer, not our logs.
+    configure_logging(json_logs=False, service="ctl", level=logging.ERROR)
     try:
         return asyncio.run(_run(args))
     except CtlError as exc:

@@ -127,8 +127,15 @@ class Cluster:
     def _child(self, name: str, argv: list[str], marker: str | None) -> ChildProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(self.spec.env)}
         env.setdefault("FLUIDPD_CLUSTER_SECRET", self._secret)  # one secret for all
-        child = ChildProcess(name, argv, env=env, ready_marker=marker, sink=self.sink,
-                             die_with_parent=self.spec.die_with_parent, on_event=self._event)
+        child = ChildProcess(
+            name,
+            argv,
+            env=env,
+            ready_marker=marker,
+            sink=self.sink,
+            die_with_parent=self.spec.die_with_parent,
+            on_event=self._event,
+        )
         child.start()
         return child
 
@@ -151,16 +158,35 @@ class Cluster:
         py = spec.python
         log_flags = ["--log-json"] if spec.log_json else []
         if spec.with_controller:
-            argv = [py, "-m", "services.controller", "--nats", self.nats_url,
-                    "--auto" if spec.auto_policy else "--no-auto", *log_flags]
+            argv = [
+                py,
+                "-m",
+                "services.controller",
+                "--nats",
+                self.nats_url,
+                "--auto" if spec.auto_policy else "--no-auto",
+                *log_flags,
+            ]
             if spec.policy_config:
                 argv += ["--policy-config", spec.policy_config]
-            self.controller = self._child("controller", argv + list(spec.controller_args),
-                                          CONTROLLER_READY)
+            self.controller = self._child(
+                "controller", argv + list(spec.controller_args), CONTROLLER_READY
+            )
         for worker_id, role in spec.worker_ids():
-            argv = [py, "-m", f"services.{role}_worker", "--id", worker_id,
-                    "--nats", self.nats_url, "--model", spec.model, "--engine", spec.engine,
-                    *log_flags]
+            argv = [
+                py,
+                "-m",
+                f"services.{role}_worker",
+                "--id",
+                worker_id,
+                "--nats",
+                self.nats_url,
+                "--model",
+                spec.model,
+                "--engine",
+                spec.engine,
+                *log_flags,
+            ]
             if spec.profile:
                 argv += ["--profile", spec.profile]
             if spec.threads:
@@ -169,16 +195,31 @@ class Cluster:
                 argv += ["--time-scale", str(spec.time_scale)]
             if spec.policy_config:
                 argv += ["--policy-config", spec.policy_config]
-            self.workers[worker_id] = self._child(worker_id, argv + list(spec.worker_args),
-                                                  WORKER_READY)
+            self.workers[worker_id] = self._child(
+                worker_id, argv + list(spec.worker_args), WORKER_READY
+            )
         if spec.with_router:
-            argv = [py, "-m", "services.router", "--nats", self.nats_url, "--model",
-                    spec.model, "--port", str(spec.port), *log_flags, *spec.router_args]
+            argv = [
+                py,
+                "-m",
+                "services.router",
+                "--nats",
+                self.nats_url,
+                "--model",
+                spec.model,
+                "--host",
+                spec.host,
+                "--port",
+                str(spec.port),
+                *log_flags,
+                *spec.router_args,
+            ]
             self.router = self._child("router", argv, ROUTER_READY)
 
     # --- readiness ----------------------------------------------------------------------
-    def _wait_for(self, children: list[ChildProcess], deadline_s: float,
-                  cancel: threading.Event | None = None) -> None:
+    def _wait_for(
+        self, children: list[ChildProcess], deadline_s: float, cancel: threading.Event | None = None
+    ) -> None:
         while True:
             self._event.clear()
             for child in children:
@@ -214,8 +255,7 @@ class Cluster:
         while True:  # the router said it listens; /health also needs workers registered
             if self.health_ok():
                 return
-            self._wait_for([c for c in self.children() if c is not self.nats],
-                           deadline_s, cancel)
+            self._wait_for([c for c in self.children() if c is not self.nats], deadline_s, cancel)
             if time.monotonic() >= deadline_s:
                 raise ClusterStartError(f"router {self.router_url}/health never returned 200")
             if cancel is not None and cancel.wait(0.1):
@@ -257,4 +297,3 @@ class Cluster:
 def pick_port(host: str = "127.0.0.1") -> int:
     """A free TCP port for a router (racy, like every such helper)."""
     return free_port(host)
-

@@ -57,8 +57,12 @@ class LocalNatsServer:
     @classmethod
     def on_free_port(cls, store_dir: Path, host: str = "127.0.0.1") -> LocalNatsServer:
         """Raises NatsServerNotFoundError when the binary is missing."""
-        return cls(store_dir=Path(store_dir), port=free_port(host), host=host,
-                   binary=find_nats_server_binary())
+        return cls(
+            store_dir=Path(store_dir),
+            port=free_port(host),
+            host=host,
+            binary=find_nats_server_binary(),
+        )
 
     @property
     def url(self) -> str:
@@ -66,5 +70,15 @@ class LocalNatsServer:
 
     def argv(self) -> list[str]:
         binary = self.binary or find_nats_server_binary()
-        return [str(binary), "-a", self.host, "-p", str(self.port), "-n",
-                f"fluidpd-{self.port}", "-js", "-sd", str(self.store_dir)]
+        return [
+            str(binary),
+            "-a",
+            self.host,
+            "-p",
+            str(self.port),
+            "-n",
+            f"fluidpd-{self.port}",
+            "-js",
+            "-sd",
+            str(self.store_dir),
+        ]

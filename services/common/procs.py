@@ -31,8 +31,9 @@ class LogSink:
     """Where children's lines go: ``terminal`` (prefixed, to ``stream``), a ``log_dir``
     (one ``<name>.log`` per child), or neither (kept only as a tail). Thread-safe."""
 
-    def __init__(self, *, terminal: bool = False, log_dir: Path | None = None,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self, *, terminal: bool = False, log_dir: Path | None = None, stream: TextIO | None = None
+    ) -> None:
         self.terminal = terminal
         self.log_dir = Path(log_dir) if log_dir else None
         self.stream = stream
@@ -126,7 +127,7 @@ class ChildProcess:
             errors="replace",
             bufsize=1,
             start_new_session=True,  # own process group: stop() reaches grandchildren too
-            preexec_fn=_die_with_parent if self.die_with_parent else None,  # noqa: PLW1509
+            preexec_fn=_die_with_parent if self.die_with_parent else None,
         )
         if self.ready_marker is None:
             self.ready.set()

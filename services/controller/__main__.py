@@ -23,16 +23,31 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m services.controller", description=__doc__)
     p.add_argument("--nats", default=env("FLUIDPD_NATS_URL", "nats://127.0.0.1:4222"))
     p.add_argument("--subject-prefix", default=env("FLUIDPD_SUBJECT_PREFIX", "fluidpd"))
-    p.add_argument("--policy-config", default=env("FLUIDPD_POLICY_CONFIG", ""),
-                   help="PolicyConfig JSON file (thresholds, N_persist, cooldown, interval)")
-    p.add_argument("--decision-interval-s", type=float, default=None,
-                   help="override the policy config's decision interval")
+    p.add_argument(
+        "--policy-config",
+        default=env("FLUIDPD_POLICY_CONFIG", ""),
+        help="PolicyConfig JSON file (thresholds, N_persist, cooldown, interval)",
+    )
+    p.add_argument(
+        "--decision-interval-s",
+        type=float,
+        default=None,
+        help="override the policy config's decision interval",
+    )
     auto = p.add_mutually_exclusive_group()
-    auto.add_argument("--auto", dest="auto", action="store_true", default=True,
-                      help="send decided switches to workers (default)")
-    auto.add_argument("--no-auto", dest="auto", action="store_false",
-                      help="decide and publish only; never switch")
-    p.add_argument("--metrics-port", type=int, default=int(env("FLUIDPD_CONTROLLER_METRICS_PORT", "0")))
+    auto.add_argument(
+        "--auto",
+        dest="auto",
+        action="store_true",
+        default=True,
+        help="send decided switches to workers (default)",
+    )
+    auto.add_argument(
+        "--no-auto", dest="auto", action="store_false", help="decide and publish only; never switch"
+    )
+    p.add_argument(
+        "--metrics-port", type=int, default=int(env("FLUIDPD_CONTROLLER_METRICS_PORT", "0"))
+    )
     p.add_argument("--heartbeat-s", type=float, default=float(env("FLUIDPD_HEARTBEAT_S", "1.0")))
     p.add_argument("--log-json", action="store_true", default=env("FLUIDPD_LOG_JSON", "0") == "1")
     return p
@@ -43,10 +58,17 @@ def config_from_args(argv: list[str] | None) -> ControllerConfig:
     a = build_parser().parse_args(argv)
     policy = PolicyConfig.load(a.policy_config) if a.policy_config else PolicyConfig()
     if a.decision_interval_s is not None:
-        policy = PolicyConfig.from_dict({**policy.to_dict(),
-                                         "decision_interval_s": a.decision_interval_s})
-    cfg = ControllerConfig(nats_url=a.nats, subject_prefix=a.subject_prefix, policy=policy,
-                           auto=a.auto, metrics_port=a.metrics_port, heartbeat_s=a.heartbeat_s)
+        policy = PolicyConfig.from_dict(
+            {**policy.to_dict(), "decision_interval_s": a.decision_interval_s}
+        )
+    cfg = ControllerConfig(
+        nats_url=a.nats,
+        subject_prefix=a.subject_prefix,
+        policy=policy,
+        auto=a.auto,
+        metrics_port=a.metrics_port,
+        heartbeat_s=a.heartbeat_s,
+    )
     configure_logging(json_logs=a.log_json, service="controller")
     return cfg
 

@@ -232,13 +232,17 @@ class Controller:
             )
         except (BusError, RemoteError) as exc:
             self.metrics.switches_total.labels(outcome="error").inc()
-            log.warning("controller_switch_failed", worker_id=worker_id, role=role,
-                        error=str(exc))
+            log.warning("controller_switch_failed", worker_id=worker_id, role=role, error=str(exc))
             return None
         outcome = "ok" if reply.ok else "refused"
         self.metrics.switches_total.labels(outcome=outcome).inc()
-        log.info("controller_switch_reply", worker_id=worker_id, role=role, ok=reply.ok,
-                 error=reply.error)
+        log.info(
+            "controller_switch_reply",
+            worker_id=worker_id,
+            role=role,
+            ok=reply.ok,
+            error=reply.error,
+        )
         return reply
 
     async def _decision_loop(self) -> None:
@@ -257,5 +261,3 @@ async def run_until_signalled(config: ControllerConfig, stop: asyncio.Event) -> 
     """Run a controller until ``stop`` is set."""
     async with Controller(config):
         await stop.wait()
-
-

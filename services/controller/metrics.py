@@ -23,11 +23,15 @@ class ControllerMetrics:
         return cls(
             registry=reg,
             decisions_total=Counter(
-                "fluidpd_controller_decisions", "FluidRole decisions by action", ["action"],
+                "fluidpd_controller_decisions",
+                "FluidRole decisions by action",
+                ["action"],
                 registry=reg,
             ),
             switches_total=Counter(
-                "fluidpd_controller_switches", "switch commands sent, by outcome", ["outcome"],
+                "fluidpd_controller_switches",
+                "switch commands sent, by outcome",
+                ["outcome"],
                 registry=reg,
             ),
             ppi_bar=Gauge("fluidpd_controller_ppi_bar", "PPI̅ (eq. 20)", registry=reg),
@@ -36,7 +40,9 @@ class ControllerMetrics:
             ),
             dpi_adm_bar=Gauge("fluidpd_controller_dpi_adm_bar", "DPI̅_adm (eq. 21)", registry=reg),
             workers=Gauge(
-                "fluidpd_controller_workers", "live workers in the policy view", ["role"],
+                "fluidpd_controller_workers",
+                "live workers in the policy view",
+                ["role"],
                 registry=reg,
             ),
         )

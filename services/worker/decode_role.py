@@ -34,11 +34,13 @@ from shared.engine.batch import StepInput
 from shared.engine.engine import SampleSpec
 from shared.engine.sequence import Sequence, finish_reason_after
 from shared.errors import NoFreeBlocksError
-from shared.messages import AdmitReply, AdmitRequest, PrefillRequest, TokenItem
+from shared.messages import AdmitReply, AdmitRequest, MigrateRequest, PrefillRequest, TokenItem
 from shared.transfer.errors import TransferError
 from shared.transfer.receiver import KVReceiver
 
 log = structlog.get_logger(__name__)
+
+_MAX_MIGRATED_REMEMBERED = 4096  # cancels for older migrated requests are not forwarded
 
 
 @dataclass(eq=False)
@@ -50,6 +52,8 @@ class DecodeRequest:
     phase: str = "receiving"  # receiving | runnable
     receive_task: asyncio.Task[Any] | None = None
     stolen_tokens: int = 0
+    suffix_token_ids: tuple[int, ...] = ()
+    migrating: bool = False
     timestamps: dict[str, float] = field(default_factory=dict)
 
 
@@ -80,17 +84,23 @@ class DecodeRole:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._suffix_budget = suffix_budget
         self.requests: dict[str, DecodeRequest] = {}
+        self.migrated_to: dict[str, str] = {}  # request id -> peer that now decodes it
         self.runnable: list[DecodeRequest] = []
         self._in_step: set[str] = set()
         self._doomed: set[str] = set()
         self.wakeup = asyncio.Event()
+        self.step_done = asyncio.Event()  # pulsed after every committed step
         self.admitting = True
         self.stolen_tokens_total = 0
         self.refused_steals_total = 0
+        self.migrations_in_total = 0
+        self.migrations_out_total = 0
         self.iterations_total = 0
         self.last_step_s = 0.0
         self.last_batch_size = 0
         self.last_context_tokens = 0
+        self.observe_stage: Callable[[str, float], None] = lambda _stage, _s: None
+        self.observe_step: Callable[[int, int, int, float], None] = lambda *_a: None
 
     # ------------------------------------------------------------------ admission
     def _blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
@@ -133,6 +143,8 @@ class DecodeRole:
             seed=msg.sampling.seed if msg.sampling.seed is not None else -1,
         )
         req = DecodeRequest(msg.request_id, msg.tokens_subject, seq, time.time())
+        if suffix_len:
+            req.suffix_token_ids = tuple(msg.suffix_token_ids)
         self.requests[msg.request_id] = req
         req.receive_task = asyncio.ensure_future(self._receive(req, ticket))
         return AdmitReply(
@@ -169,11 +181,26 @@ class DecodeRole:
         if req.request_id not in self.requests:  # cancelled while installing
             self.bm.free_sequence(got.seq_id)
             return
+        t = got.timings_ms
+        self.observe_stage("transfer_queue", t.get("envelope_wait_ms", 0.0) / 1e3)
+        self.observe_stage("copy", t.get("data_ms", 0.0) / 1e3)
+        self.observe_stage(
+            "validation", (t.get("validate_ms", 0.0) + t.get("install_ms", 0.0)) / 1e3
+        )
         meta = got.meta
         seq = req.seq
+        if "migrated_cached_tokens" in meta:  # a live migration: continue where it left off
+            self.migrations_in_total += 1
+            seq.num_cached_tokens = int(meta["migrated_cached_tokens"])
+            req.phase = "runnable"
+            self.runnable.append(req)
+            self.wakeup.set()
+            return
         prefix_len = int(meta["prefix_len"])
         seq.num_cached_tokens = prefix_len
-        suffix = list(meta.get("suffix_token_ids") or [])
+        suffix = list(req.suffix_token_ids)
+        if prefix_len + len(suffix) != len(seq.prompt_token_ids):
+            suffix = []  # defensive: a prefix without its suffix cannot be completed
         if suffix:
             seq.prompt_token_ids = seq.prompt_token_ids[:prefix_len] + suffix
             req.stolen_tokens = len(suffix)
@@ -190,6 +217,66 @@ class DecodeRole:
         req.timestamps["kv_installed_s"] = time.time()
         self.runnable.append(req)
         self.wakeup.set()
+
+    def admit_migration(self, msg: MigrateRequest) -> AdmitReply:
+        """Take over a running request from a peer: reserve, receive its KV, continue."""
+        if not self.admitting:
+            return AdmitReply(ok=False, error="worker is not admitting decode work")
+        if msg.request_id in self.requests or len(self.requests) >= self.max_num_seqs:
+            return AdmitReply(ok=False, error="cannot take this request now")
+        try:
+            ticket = self.receiver.prepare(
+                msg.request_id,
+                num_tokens=msg.num_tokens,
+                num_blocks=self._blocks_for_request(msg.prompt_len, msg.sampling.max_tokens),
+            )
+        except NoFreeBlocksError as exc:
+            return AdmitReply(ok=False, error=str(exc), retry_after_ms=50)
+        seq = Sequence(
+            msg.request_id,
+            [0] * msg.prompt_len,
+            engine_params(msg.sampling),
+            seed=msg.sampling.seed if msg.sampling.seed is not None else -1,
+        )
+        seq.output_token_ids = list(msg.generated_token_ids)
+        req = DecodeRequest(msg.request_id, msg.tokens_subject, seq, time.time())
+        self.requests[msg.request_id] = req
+        req.receive_task = asyncio.ensure_future(self._receive(req, ticket))
+        return AdmitReply(
+            ok=True,
+            transfer_id=ticket.transfer_id,
+            block_ids=ticket.block_ids,
+            generations=ticket.generations,
+            ucx_address=ticket.dst_address,
+            ticket=self.receiver.encode_ticket(ticket),
+        )
+
+    async def freeze(self, request_id: str) -> DecodeRequest | None:
+        """Take a runnable request out of the batch at a step boundary (for migration)."""
+        req = self.requests.get(request_id)
+        if req is None or req.phase != "runnable":
+            return None
+        req.migrating = True
+        while request_id in self._in_step:
+            await self.step_done.wait()
+        return req if request_id in self.requests else None
+
+    def unfreeze(self, req: DecodeRequest) -> None:
+        req.migrating = False
+        if req.request_id in self._doomed:
+            self._doomed.discard(req.request_id)
+            self._finish(req)
+            return
+        self.wakeup.set()
+
+    def migrated(self, req: DecodeRequest, peer_id: str) -> None:
+        """The peer installed the request: drop it here (no finish item: it goes on there)."""
+        self._doomed.discard(req.request_id)
+        self.migrated_to[req.request_id] = peer_id
+        self.migrations_out_total += 1
+        while len(self.migrated_to) > _MAX_MIGRATED_REMEMBERED:  # bounded: oldest first
+            self.migrated_to.pop(next(iter(self.migrated_to)))
+        self._finish(req)
 
     def serve_local(self, msg: PrefillRequest) -> None:
         """Serve a (short) prompt entirely here. Raises NoFreeBlocksError if it cannot fit."""
@@ -217,14 +304,14 @@ class DecodeRole:
         """Stop ``request_id`` and free its blocks (after the running step, if in one)."""
         req = self.requests.get(request_id)
         if req is None:
-            return False
+            return request_id in self.migrated_to  # the runtime forwards it to the peer
         if req.phase == "receiving":
             if req.receive_task is not None:
                 req.receive_task.cancel()  # the receiver releases the reservation
             self.requests.pop(request_id, None)
             return True
-        if request_id in self._in_step:
-            self._doomed.add(request_id)
+        if request_id in self._in_step or req.migrating:
+            self._doomed.add(request_id)  # freed after the step / the migration send
             return True
         self._finish(req)
         return True
@@ -243,6 +330,8 @@ class DecodeRole:
         reqs: list[DecodeRequest] = []
         prefill_budget = self.prefill_chunk_tokens
         for req in self.runnable:
+            if req.migrating:
+                continue
             seq = req.seq
             pending = seq.pending_token_ids()
             if len(pending) > 1:  # a suffix or a local prompt: chunked prefill
@@ -280,8 +369,17 @@ class DecodeRole:
             self.last_step_s = time.perf_counter() - started
             self.last_batch_size = sum(1 for s in steps if s.num_new_tokens == 1)
             self.last_context_tokens = sum(s.context_len for s in steps)
+            decode_steps = [s for s in steps if s.num_new_tokens == 1]
+            self.observe_step(
+                len(decode_steps),
+                sum(s.context_len for s in decode_steps),
+                sum(s.num_new_tokens for s in steps if s.num_new_tokens > 1),
+                self.last_step_s,
+            )
             self._commit(steps, tokens, reqs)
             self._publish()
+            self.step_done.set()
+            self.step_done.clear()
 
     def _commit(
         self, steps: list[StepInput], tokens: list[int | None], reqs: list[DecodeRequest]

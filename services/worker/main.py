@@ -49,6 +49,13 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-zero-on-free", action="store_true", default=env("FLUIDPD_KV_ZERO_ON_FREE", "0") == "1"
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env("FLUIDPD_METRICS_PORT", "0")),
+        help="serve Prometheus /metrics on this port (0: off)",
+    )
+    p.add_argument("--metrics-host", default=env("FLUIDPD_METRICS_HOST", "127.0.0.1"))
     p.add_argument("--log-json", action="store_true", default=env("FLUIDPD_LOG_JSON", "0") == "1")
     return p
 
@@ -80,6 +87,8 @@ def config_from_args(role: str, argv: list[str] | None) -> WorkerConfig:
         kv_zero_on_free=a.kv_zero_on_free,
         cluster_secret=os.environ.get("FLUIDPD_CLUSTER_SECRET", ""),
         log_json=a.log_json,
+        metrics_port=a.metrics_port,
+        metrics_host=a.metrics_host,
     )
 
 

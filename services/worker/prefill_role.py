@@ -102,6 +102,9 @@ class PrefillRole:
         self.prefills_total = 0
         self.last_step_s = 0.0
         self.last_prefill_tokens = 0
+        # Observers (set by the runtime): TTFT stage timings and step timings.
+        self.observe_stage: Callable[[str, float], None] = lambda _stage, _s: None
+        self.observe_step: Callable[[int, float], None] = lambda _tokens, _s: None
 
     # ------------------------------------------------------------------ intake
     def enqueue(self, msg: PrefillRequest, seed: int) -> None:
@@ -163,7 +166,9 @@ class PrefillRole:
         elif self.split_planner is not None:
             plan = self.split_planner([job, *self.queue], time.monotonic())
             suffix_len = min(plan.get(job.request_id, 0), job.prompt_len - 1)
+        t_admit = time.perf_counter()
         admit = await self._admit(job, suffix_len)
+        self.observe_stage("decode_admission", time.perf_counter() - t_admit)
         if admit is None or job.cancelled:
             if admit is not None:
                 await self._cancel_remote(job)
@@ -185,6 +190,11 @@ class PrefillRole:
             raise
         self.last_step_s = time.perf_counter() - started
         self.last_prefill_tokens = prefix_len
+        self.observe_step(prefix_len, self.last_step_s)
+        self.observe_stage("prefill_compute", self.last_step_s)
+        self.observe_stage(
+            "queue_wait", job.timestamps["prefill_start_s"] - job.timestamps["queued_s"]
+        )
         self.prefills_total += 1
         job.timestamps["prefill_end_s"] = time.time()
         if job.cancelled:
@@ -205,11 +215,7 @@ class PrefillRole:
         if suffix_len:
             self.split_requests_total += 1
             self.handed_off_tokens_total += suffix_len
-        meta = {
-            "prefix_len": prefix_len,
-            "first_token": first,
-            "suffix_token_ids": list(msg.prompt_token_ids[prefix_len:]) if suffix_len else [],
-        }
+        meta = {"prefix_len": prefix_len, "first_token": first}
         task = asyncio.ensure_future(self._export(job, ticket, seq_id, meta))
         self.exports.add(task)
         task.add_done_callback(self.exports.discard)
@@ -226,6 +232,9 @@ class PrefillRole:
             sampling=msg.sampling,
             tokens_subject=msg.tokens_subject,
             forced_split=msg.force_steal_ratio is not None,
+            suffix_token_ids=tuple(msg.prompt_token_ids[job.prompt_len - suffix_len :])
+            if suffix_len
+            else (),
         )
         subject = self.subjects.worker_admit(msg.decode_worker_id)
         give_up_s = time.monotonic() + max(self.admit_timeout_s, job.deadline_s - time.monotonic())
@@ -271,6 +280,9 @@ class PrefillRole:
                 on_source_released=release,
             )
             job.timestamps["kv_sent_s"] = time.time()
+            self.observe_stage(
+                "kv_export", job.timestamps["kv_sent_s"] - job.timestamps["prefill_end_s"]
+            )
         except (TransferError, FluidPDError) as exc:
             log.warning("kv_export_failed", request_id=job.request_id, error=str(exc))
             self._fail(job, f"KV transfer failed: {exc}", exc.code)

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from services.worker.config import WorkerConfig
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_factory import build_engine, fingerprint_of
+from services.worker.metrics import WorkerMetrics, start_metrics_server
 from services.worker.prefill_role import PrefillRole
 from services.worker.switch import RoleSwitcher
 from services.worker.telemetry import Telemetry
@@ -36,6 +37,7 @@ from shared.messages import (
     AdmitReply,
     AdmitRequest,
     CancelRequest,
+    MigrateRequest,
     PrefillRequest,
     StreamSequencer,
     Subjects,
@@ -135,8 +137,17 @@ class WorkerRuntime:
             admit_timeout_s=cfg.admit_timeout_s,
             transfer_timeout_s=cfg.transfer_timeout_s,
         )
+        self.metrics = WorkerMetrics(self.metrics_registry, cfg.worker_id)
         self.telemetry = Telemetry(self)
         self.telemetry.install_policy()
+        self.prefill.observe_stage = self.decode.observe_stage = self.metrics.observe_stage
+        self.prefill.observe_step = self.telemetry.observe_prefill
+        self.decode.observe_step = self.telemetry.observe_decode
+        if cfg.metrics_port:
+            runner = await start_metrics_server(
+                self.metrics_registry, cfg.metrics_host, cfg.metrics_port
+            )
+            self._stack.push_async_callback(runner.cleanup)
         wid = cfg.worker_id
         s = self.subjects
         await self.bus.serve(
@@ -148,6 +159,9 @@ class WorkerRuntime:
         )
         self.switcher = RoleSwitcher(self)
         await self.bus.serve(s.worker_switch(wid), SwitchCommand, self.switcher.on_switch)
+        await self.bus.serve(
+            s.worker_migrate(wid), MigrateRequest, self._on_migrate, max_concurrency=16
+        )
         self.watcher = RegistryWatcher(self.bus)
         await self.watcher.start()
         self._stack.push_async_callback(self.watcher.stop)
@@ -226,8 +240,16 @@ class WorkerRuntime:
     async def _on_admit(self, msg: AdmitRequest) -> AdmitReply:
         return self.decode.admit(msg)
 
+    async def _on_migrate(self, msg: MigrateRequest) -> AdmitReply:
+        if self.role != "decode" or self.state != "active":
+            return AdmitReply(ok=False, error=f"worker is {self.role}/{self.state}")
+        return self.decode.admit_migration(msg)
+
     async def _on_cancel(self, msg: CancelRequest) -> None:
         found = self.prefill.cancel(msg.request_id) | self.decode.cancel(msg.request_id)
+        peer = self.decode.migrated_to.pop(msg.request_id, None)
+        if peer is not None:  # it lives on a peer now: pass the cancel on
+            await self.bus.publish(self.subjects.worker_cancel(peer), msg)
         if found:
             log.info("request_cancelled", request_id=msg.request_id, reason=msg.reason)
         return None

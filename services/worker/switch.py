@@ -31,8 +31,17 @@ _DRAIN_POLL_S = 0.005  # drain completion is checked at this period (work ends i
 
 
 class RoleSwitcher:
-    def __init__(self, rt: WorkerRuntime, drain_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        rt: WorkerRuntime,
+        drain_timeout_s: float = 60.0,
+        migrate: bool = True,
+        migrate_min_remaining_s: float = 0.2,
+    ) -> None:
         self.rt = rt
+        self.migrate = migrate
+        # A request expected to need longer than this to finish moves to a peer instead.
+        self.migrate_min_remaining_s = migrate_min_remaining_s
         self.drain_timeout_s = drain_timeout_s
         self.task: asyncio.Task[None] | None = None
         self.switches_total = 0
@@ -45,27 +54,37 @@ class RoleSwitcher:
             return SwitchReply(ok=False, error=f"a switch is already running (state {rt.state})")
         if cmd.role == rt.role:
             return SwitchReply(ok=False, error=f"worker {rt.cfg.worker_id} is already {rt.role}")
-        others = [r for r in rt.watcher.workers(role=rt.role, state="active")
-                  if r.worker_id != rt.cfg.worker_id]
+        others = [
+            r
+            for r in rt.watcher.workers(role=rt.role, state="active")
+            if r.worker_id != rt.cfg.worker_id
+        ]
         if not others:
-            return SwitchReply(ok=False,
-                               error=f"switch would leave no active {rt.role} worker")
+            return SwitchReply(ok=False, error=f"switch would leave no active {rt.role} worker")
         self.task = asyncio.ensure_future(self._run(rt.role, cmd.role))
         return SwitchReply(ok=True, from_role=rt.role, to_role=cmd.role)
 
     async def _set_state(self, state: str, reason: str) -> None:
         rt = self.rt
         old, rt.state = rt.state, state
-        event = StateEvent(publisher_id=rt.cfg.worker_id, epoch=rt.sequencer.epoch,
-                           seq=rt.sequencer.next_seq("events"), time_s=time.time(),
-                           role=rt.role, from_state=old, to_state=state, reason=reason)
+        event = StateEvent(
+            publisher_id=rt.cfg.worker_id,
+            epoch=rt.sequencer.epoch,
+            seq=rt.sequencer.next_seq("events"),
+            time_s=time.time(),
+            role=rt.role,
+            from_state=old,
+            to_state=state,
+            reason=reason,
+        )
         try:
             await rt.registration.update(role=rt.role, state=state)
             await rt.bus.publish(rt.subjects.events(rt.cfg.worker_id), event)
         except Exception:
             log.exception("state_publish_failed", worker_id=rt.cfg.worker_id, state=state)
-        log.info("worker_state", worker_id=rt.cfg.worker_id, role=rt.role, state=state,
-                 reason=reason)
+        log.info(
+            "worker_state", worker_id=rt.cfg.worker_id, role=rt.role, state=state, reason=reason
+        )
 
     async def _run(self, from_role: str, to_role: str) -> None:
         rt = self.rt
@@ -74,10 +93,15 @@ class RoleSwitcher:
         if from_role == "prefill":
             rt.prefill.admitting = False
             await self._hand_off_queue()
-            drained = await self._wait(lambda: rt.prefill.current is None
-                                       and not rt.prefill.exports and not rt.prefill.queue)
+            drained = await self._wait(
+                lambda: (
+                    rt.prefill.current is None and not rt.prefill.exports and not rt.prefill.queue
+                )
+            )
         else:
             rt.decode.admitting = False
+            if self.migrate:
+                await self._migrate_long_requests()
             drained = await self._wait(lambda: not rt.decode.requests)
         t_drain = time.perf_counter()
         if not drained:
@@ -106,12 +130,34 @@ class RoleSwitcher:
             await asyncio.sleep(_DRAIN_POLL_S)
         return True
 
+    async def _migrate_long_requests(self) -> None:
+        rt = self.rt
+        dec = rt.decode
+        peers = [
+            r.worker_id
+            for r in rt.watcher.workers(role="decode", state="active")
+            if r.worker_id != rt.cfg.worker_id
+        ]
+        if not peers:
+            return  # fall back to waiting, bounded by the drain deadline
+        step_s = max(dec.last_step_s, 1e-3)
+        moves = []
+        for req in list(dec.runnable):
+            remaining = req.seq.params.max_tokens - len(req.seq.output_token_ids)
+            if remaining * step_s > self.migrate_min_remaining_s:
+                moves.append(req.request_id)
+        for i, rid in enumerate(moves):
+            await migrate_out(rt, rid, peers[i % len(peers) :] + peers[: i % len(peers)])
+
     async def _hand_off_queue(self) -> None:
         """Give queued prefill requests to other Active prefill workers, keeping deadlines."""
         rt = self.rt
         jobs = rt.prefill.take_queued()
-        targets = [r.worker_id for r in rt.watcher.workers(role="prefill", state="active")
-                   if r.worker_id != rt.cfg.worker_id]
+        targets = [
+            r.worker_id
+            for r in rt.watcher.workers(role="prefill", state="active")
+            if r.worker_id != rt.cfg.worker_id
+        ]
         for i, job in enumerate(jobs):
             placed = False
             for k in range(len(targets)):
@@ -126,3 +172,72 @@ class RoleSwitcher:
                 rt.prefill.queue.append(job)
                 rt.prefill.jobs[job.request_id] = job
                 rt.prefill.wakeup.set()
+
+
+async def migrate_out(rt: WorkerRuntime, request_id: str, peers: list[str]) -> bool:
+    """Live-migrate a running decode request to one of ``peers`` (first that accepts).
+
+    The request leaves the batch at a step boundary, its KV moves through the same transfer
+    layer as a prefill handoff, and the peer continues from the same token index with the
+    same seed, so the client's stream has no gap and no repeat. Returns False (and the
+    request resumes here) if no peer takes it.
+    """
+    from shared.messages import AdmitReply, MigrateRequest
+    from shared.messages import SamplingParams as WireParams
+    from shared.transfer.envelope import TransferTicket
+
+    dec = rt.decode
+    req = await dec.freeze(request_id)
+    if req is None:
+        return True  # finished or cancelled meanwhile: nothing left to move
+    seq = req.seq
+    p = seq.params
+    msg = MigrateRequest(
+        request_id=request_id,
+        router_id="migrated",
+        tokens_subject=req.tokens_subject,
+        source_worker_id=rt.cfg.worker_id,
+        prompt_len=len(seq.prompt_token_ids),
+        num_tokens=seq.num_cached_tokens,
+        generated_token_ids=tuple(seq.output_token_ids),
+        sampling=WireParams(
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=max(0, p.top_k),
+            seed=seq.seed,
+            stop_token_ids=tuple(p.stop_token_ids),
+            ignore_eos=p.ignore_eos,
+        ),
+        rng_offset=len(seq.output_token_ids),
+    )
+    for peer in peers:
+        try:
+            reply = await rt.bus.request(rt.subjects.worker_migrate(peer), msg, AdmitReply, 2.0)
+        except Exception:
+            continue
+        if not reply.ok:
+            continue
+        ticket = TransferTicket.decode(reply.ticket, rt.cfg.secret_bytes or _DEFAULT_SECRET)
+        table = rt.engine.block_manager.block_table(request_id)[: ticket.num_blocks]
+        try:
+            await rt.sender.send(
+                ticket,
+                rt.engine.arena,
+                table,
+                timeout_s=rt.cfg.transfer_timeout_s,
+                meta={"migrated_cached_tokens": seq.num_cached_tokens},
+            )
+        except Exception as exc:
+            log.warning("migration_failed", request_id=request_id, peer=peer, error=str(exc))
+            continue
+        dec.migrated(req, peer)
+        log.info(
+            "request_migrated", request_id=request_id, peer=peer, kv_tokens=seq.num_cached_tokens
+        )
+        return True
+    dec.unfreeze(req)
+    return False
+
+
+_DEFAULT_SECRET = b"fluidpd-insecure-default-secret"

@@ -25,6 +25,7 @@ from shared.policy.config import PolicyConfig
 from shared.policy.fluidtoken import StealBudget, select_steal_ratios
 from shared.policy.predictors import LatencyProfile
 from shared.policy.pressure import DecodeLoad, QueuedRequest, decode_pressure, queue_ppi
+from shared.policy.recalibration import OnlineRecalibrator
 
 if TYPE_CHECKING:
     from services.worker.runtime import WorkerRuntime
@@ -44,6 +45,8 @@ class Telemetry:
             else PolicyConfig(ttft_ms=cfg.ttft_slo_ms, tpot_ms=cfg.tpot_slo_ms)
         )
         self.profile: LatencyProfile = self._profile()
+        # Online recalibration (the paper's future work): refit from our own step times.
+        self.recal = OnlineRecalibrator(self.profile)
         self.budgets: dict[str, StealBudget] = {}
         self.prefill_peers: dict[str, float] = {}
         self.ppi = 0.0
@@ -116,6 +119,30 @@ class Telemetry:
         self._refresh_decode()
         return int(self.steal_budget_tokens)
 
+    # ------------------------------------------------------------ observations
+    def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
+        predicted = self.profile.prefill_time_s(prompt_tokens)
+        self.rt.metrics.step.labels(self.rt.cfg.worker_id, "prefill").observe(seconds)
+        self._error("prefill", predicted, seconds)
+        self.recal.observe_prefill(prompt_tokens, seconds)
+
+    def observe_decode(
+        self, batch_size: int, context_tokens: int, suffix_tokens: int, seconds: float
+    ) -> None:
+        kind = "decode" if suffix_tokens == 0 else "mixed"
+        self.rt.metrics.step.labels(self.rt.cfg.worker_id, kind).observe(seconds)
+        if suffix_tokens == 0 and batch_size > 0:
+            self._error(
+                "decode", self.profile.decode_iter_time_s(batch_size, context_tokens), seconds
+            )
+            self.recal.observe_decode(batch_size, context_tokens, seconds)
+
+    def _error(self, predictor: str, predicted: float, measured: float) -> None:
+        if measured > 0:
+            self.rt.metrics.predictor_error.labels(self.rt.cfg.worker_id, predictor).set(
+                abs(predicted - measured) / measured
+            )
+
     # ----------------------------------------------------------------- outbound
     def _decode_load(self) -> DecodeLoad:
         dec = self.rt.decode
@@ -156,6 +183,8 @@ class Telemetry:
 
     def snapshot(self) -> WorkerTelemetry:
         rt = self.rt
+        if rt.cfg.recalibrate:
+            self.profile = self.recal.profile()
         self._refresh_decode()
         self._refresh_prefill()
         now = time.monotonic()
@@ -189,6 +218,9 @@ class Telemetry:
                 "prefill_handed_off_tokens_total": float(pf.handed_off_tokens_total),
                 "split_requests_total": float(pf.split_requests_total),
                 "refused_steals_total": float(dec.refused_steals_total),
+                "migrations_in_total": float(dec.migrations_in_total),
+                "migrations_out_total": float(dec.migrations_out_total),
+                "switches_total": float(rt.switcher.switches_total),
                 "reserved_blocks": float(bm.num_reserved_blocks),
                 "receiving": float(dec.num_receiving),
                 "decode_iterations_total": float(dec.iterations_total),
@@ -203,6 +235,7 @@ class Telemetry:
         while True:
             try:
                 msg = self.snapshot()
+                rt.metrics.refresh(rt)
                 await rt.bus.publish(rt.subjects.telemetry(rt.role, rt.cfg.worker_id), msg)
             except Exception:
                 log.exception("telemetry_publish_failed", worker_id=rt.cfg.worker_id)

@@ -13,6 +13,8 @@ and re-watch after a server restart. ``stop()`` drains and is idempotent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -66,10 +68,8 @@ class ServeHandle:
         if self._stopped:
             return
         self._stopped = True
-        try:
+        with contextlib.suppress(nats.errors.Error, OSError):  # connection already gone
             await self._sub.unsubscribe()
-        except (nats.errors.Error, OSError):  # connection already gone
-            pass
         for task in list(self._tasks):
             task.cancel()
 
@@ -106,18 +106,18 @@ class Bus:
         await self.stop()
 
     async def start(self) -> None:
-        """Connect, retrying until ``initial_connect_deadline_s``. Raises BusConnectionError."""
+        """Connect (retrying until ``initial_connect_deadline_s``; None: forever).
+
+        Raises BusConnectionError when the deadline passes (bad address, bad credentials).
+        """
         cfg = self.config
-        deadline = (
-            None
-            if cfg.initial_connect_deadline_s is None
-            else time.monotonic() + cfg.initial_connect_deadline_s
-        )
         options: dict[str, Any] = dict(
             servers=list(cfg.servers),
             name=cfg.name,
             connect_timeout=cfg.connect_timeout_s,
             allow_reconnect=True,
+            # -1: nats-py retries forever, the first connect included; we bound the first
+            # connect with initial_connect_deadline_s below.
             max_reconnect_attempts=-1,
             reconnect_time_wait=cfg.reconnect_wait_s,
             ping_interval=cfg.ping_interval_s,
@@ -135,17 +135,13 @@ class Bus:
             disconnected_cb=self._on_disconnected,
             error_cb=self._on_error,
         )
-        while True:
-            try:
-                self._nc = await nats.connect(**options)
-                break
-            except (TimeoutError, nats.errors.Error, OSError) as exc:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise BusConnectionError(
-                        f"cannot connect to NATS ({type(exc).__name__})"
-                    ) from None
-                log.info("bus.connect_retry", error=type(exc).__name__)
-                await asyncio.sleep(cfg.reconnect_wait_s)  # back-off between attempts
+        nc = Client()
+        try:
+            await asyncio.wait_for(nc.connect(**options), cfg.initial_connect_deadline_s)
+        except (TimeoutError, nats.errors.Error, OSError) as exc:
+            await nc.close()
+            raise BusConnectionError(f"cannot connect to NATS ({type(exc).__name__})") from None
+        self._nc = nc
         server_max = self._nc.max_payload
         if server_max and server_max < self.max_message_bytes:
             log.warning("bus.small_max_payload", max_payload_bytes=server_max)
@@ -161,10 +157,8 @@ class Bus:
             await handle.stop()
         nc, self._nc = self._nc, None
         if nc is not None and not nc.is_closed:
-            try:
+            with contextlib.suppress(TimeoutError, nats.errors.Error, OSError):
                 await asyncio.wait_for(nc.drain(), self.config.drain_timeout_s)
-            except (TimeoutError, nats.errors.Error, OSError):
-                pass
             if not nc.is_closed:
                 await nc.close()
         for task in list(self._bg_tasks):
@@ -262,7 +256,7 @@ class Bus:
 
     async def flush(self, timeout_s: float = 2.0) -> None:
         """Wait until the server has processed everything sent so far."""
-        await self.nc.flush(timeout=timeout_s)
+        await self.nc.flush(timeout=math.ceil(timeout_s))
 
     # --- receiving ------------------------------------------------------------------------
     async def serve(

@@ -54,8 +54,13 @@ class BusConfig:
             raise ValueError("choose one credential kind: user/password, token, nkey or creds")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_cert_file and tls_key_file go together")
-        for name in ("connect_timeout_s", "reconnect_wait_s", "ping_interval_s",
-                     "drain_timeout_s", "request_timeout_s"):
+        for name in (
+            "connect_timeout_s",
+            "reconnect_wait_s",
+            "ping_interval_s",
+            "drain_timeout_s",
+            "request_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.initial_connect_deadline_s is not None and self.initial_connect_deadline_s <= 0:

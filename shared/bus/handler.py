@@ -131,8 +131,9 @@ async def handle_stream(
         else:
             if seen.gap:
                 metrics.stream_gap_messages_total.labels(subject=label).inc(seen.gap)
-                log.warning("bus.stream_gap", subject=label, publisher=msg.publisher_id,
-                            missing=seen.gap)
+                log.warning(
+                    "bus.stream_gap", subject=label, publisher=msg.publisher_id, missing=seen.gap
+                )
                 if on_gap is not None:
                     on_gap(msg.publisher_id, seen.gap)
             await callback(msg)

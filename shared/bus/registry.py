@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -142,8 +143,11 @@ class WorkerRegistration:
                 kv = self._kv or await open_bucket(self._bus, self.config)
                 await kv.delete(self._record.worker_id)
             except (TimeoutError, nats.errors.Error, OSError, BusError) as exc:
-                log.warning("registry.deregister_failed", worker=self._record.worker_id,
-                            error=type(exc).__name__)
+                log.warning(
+                    "registry.deregister_failed",
+                    worker=self._record.worker_id,
+                    error=type(exc).__name__,
+                )
 
     async def _on_reconnect(self) -> None:
         if not self._stopped:
@@ -171,8 +175,9 @@ class WorkerRegistration:
                 return True
             except (TimeoutError, nats.errors.Error, OSError, BusError) as exc:
                 self._kv = None  # re-open (and re-create if the store was lost) next time
-                log.warning("registry.put_failed", worker=self._record.worker_id,
-                            error=type(exc).__name__)
+                log.warning(
+                    "registry.put_failed", worker=self._record.worker_id, error=type(exc).__name__
+                )
                 return False
 
 
@@ -230,7 +235,9 @@ class RegistryWatcher:
         entry = self._entries.get(worker_id)
         return entry.record if entry else None
 
-    async def wait_until(self, predicate: Callable[[RegistryWatcher], bool], timeout_s: float) -> None:
+    async def wait_until(
+        self, predicate: Callable[[RegistryWatcher], bool], timeout_s: float
+    ) -> None:
         """Wait until ``predicate(self)`` holds, re-checked on each change.
 
         Raises TimeoutError.
@@ -273,8 +280,14 @@ class RegistryWatcher:
 
     # --- internals ----------------------------------------------------------------------
     def _emit(self, change: RegistryChange) -> None:
-        log.info("registry.change", kind=change.kind, worker=change.worker_id,
-                 role=change.record.role, state=change.record.state, reason=change.reason)
+        log.info(
+            "registry.change",
+            kind=change.kind,
+            worker=change.worker_id,
+            role=change.record.role,
+            state=change.record.state,
+            reason=change.reason,
+        )
         self.changed.set()
         if self._on_change is not None:
             try:
@@ -338,10 +351,9 @@ class RegistryWatcher:
                 await asyncio.sleep(self.config.retry_s)
             finally:
                 if watcher is not None:
-                    try:
+                    # the subscription may be gone with the connection
+                    with contextlib.suppress(Exception):
                         await watcher.stop()
-                    except Exception:  # the subscription may be gone with the connection
-                        pass
 
     async def _reap_loop(self) -> None:
         while True:
@@ -356,7 +368,5 @@ class RegistryWatcher:
             upcoming = [d for d in deadlines.values() if d > now]
             timeout = (min(upcoming) - now) if upcoming else None
             self._wakeup.clear()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
-            except TimeoutError:
-                pass

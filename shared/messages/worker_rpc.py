@@ -88,6 +88,8 @@ class AdmitRequest(Message):
     sampling: SamplingParams
     tokens_subject: str = field(metadata=_SUBJ)
     forced_split: bool = False  # the split came from force_steal_ratio: skip the budget check
+    # The suffix's token ids (the decode side computes their KV): len == suffix_len.
+    suffix_token_ids: tuple[int, ...] = field(default=(), metadata=_TOKENS)
 
     def check(self) -> None:
         check_nonempty(self.request_id, "request_id")
@@ -97,6 +99,9 @@ class AdmitRequest(Message):
             raise MessageError("field max_tokens: must be >= 1")
         if not 0 <= self.suffix_len < self.prompt_len:
             raise MessageError("field suffix_len: must be in [0, prompt_len)")
+        if len(self.suffix_token_ids) != self.suffix_len:
+            raise MessageError("field suffix_token_ids: must hold suffix_len ids")
+        _check_token_ids(self.suffix_token_ids, "suffix_token_ids")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -53,7 +53,10 @@ class _Conn:
         self.send(b"CONNECT " + json.dumps(connect).encode() + _CRLF)
 
     def send(self, data: bytes) -> None:
-        self.sock.sendall(data)
+        try:
+            self.sock.sendall(data)
+        except OSError as exc:  # e.g. the server closed us after an auth failure
+            raise WireError(f"connection lost: {exc}") from None
 
     def _fill(self) -> None:
         remaining = self.deadline - time.monotonic()
@@ -64,6 +67,8 @@ class _Conn:
             chunk = self.sock.recv(65536)
         except TimeoutError:
             raise WireTimeout("timed out") from None
+        except OSError as exc:
+            raise WireError(f"connection lost: {exc}") from None
         if not chunk:
             raise WireError("connection closed by server")
         self.buf += chunk
@@ -153,7 +158,10 @@ def raw_publish(
 
 
 def ping(
-    host: str, port: int, timeout_s: float = 2.0, user: str | None = None,
+    host: str,
+    port: int,
+    timeout_s: float = 2.0,
+    user: str | None = None,
     password: str | None = None,
 ) -> None:
     """Connect, PING, wait for PONG (raises WireError/WireTimeout/OSError)."""

@@ -32,19 +32,35 @@ REPO = Path(__file__).resolve().parents[2]
 
 def worker_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(UCX_WARN_UNUSED_ENV_VARS="n", UCXPY_PROGRESS_MODE="blocking",
-               FLUIDPD_CLUSTER_SECRET="test-secret", PYTHONPATH=str(REPO))
+    env.update(
+        UCX_WARN_UNUSED_ENV_VARS="n",
+        UCXPY_PROGRESS_MODE="blocking",
+        FLUIDPD_CLUSTER_SECRET="test-secret",
+        PYTHONPATH=str(REPO),
+    )
     env.update(extra)
     return env
 
 
-def start_worker(role: str, worker_id: str, nats_url: str, *args: str,
-                 log_dir: Path | None = None, **env: str) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", f"services.{role}_worker", "--id", worker_id, "--nats", nats_url,
-           "--heartbeat-s", "0.3", *args]
+def start_worker(
+    role: str, worker_id: str, nats_url: str, *args: str, log_dir: Path | None = None, **env: str
+) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        f"services.{role}_worker",
+        "--id",
+        worker_id,
+        "--nats",
+        nats_url,
+        "--heartbeat-s",
+        "0.3",
+        *args,
+    ]
     out = open(log_dir / f"{worker_id}.log", "wb") if log_dir else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(cmd, env=worker_env(**env), stdout=out, stderr=subprocess.STDOUT,
-                            cwd=REPO)
+    return subprocess.Popen(
+        cmd, env=worker_env(**env), stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+    )
 
 
 def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 10.0) -> list[int]:
@@ -83,10 +99,12 @@ class BusClient:
 
     async def __aenter__(self) -> BusClient:
         await self.bus.start()
-        await self.bus.subscribe_stream(self.subjects.router_tokens(self.router_id), TokenBatch,
-                                        self._on_batch)
-        await self.bus.subscribe_stream(self.subjects.telemetry_all(), WorkerTelemetry,
-                                        self._on_telemetry)
+        await self.bus.subscribe_stream(
+            self.subjects.router_tokens(self.router_id), TokenBatch, self._on_batch
+        )
+        await self.bus.subscribe_stream(
+            self.subjects.telemetry_all(), WorkerTelemetry, self._on_telemetry
+        )
         self.watcher = RegistryWatcher(self.bus)
         await self.watcher.start()
         return self
@@ -116,19 +134,34 @@ class BusClient:
         assert self.watcher is not None
         want = set(ids)
         await self.watcher.wait_until(
-            lambda w: want <= {r.worker_id for r in w.workers(state="active")}, timeout_s)
+            lambda w: want <= {r.worker_id for r in w.workers(state="active")}, timeout_s
+        )
 
-    async def submit(self, prefill_id: str, decode_id: str, prompt: Sequence[int],
-                     max_tokens: int, *, seed: int = 1, temperature: float = 0.0,
-                     steal_ratio: float | None = None, ignore_eos: bool = True) -> str:
+    async def submit(
+        self,
+        prefill_id: str,
+        decode_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        seed: int = 1,
+        temperature: float = 0.0,
+        steal_ratio: float | None = None,
+        ignore_eos: bool = True,
+    ) -> str:
         rid = uuid.uuid4().hex[:12]
         self._done[rid] = asyncio.Event()
         now = time.time()
         msg = PrefillRequest(
-            request_id=rid, router_id=self.router_id, prompt_token_ids=tuple(prompt),
-            sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                                    ignore_eos=ignore_eos),
-            decode_worker_id=decode_id, arrival_time_s=now, ttft_deadline_s=now + 2.0,
+            request_id=rid,
+            router_id=self.router_id,
+            prompt_token_ids=tuple(prompt),
+            sampling=SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=ignore_eos
+            ),
+            decode_worker_id=decode_id,
+            arrival_time_s=now,
+            ttft_deadline_s=now + 2.0,
             tokens_subject=self.subjects.router_tokens(self.router_id),
             force_steal_ratio=steal_ratio,
         )
@@ -154,5 +187,6 @@ class BusClient:
     async def status(self, timeout_s: float = 5.0) -> StatusReply:
         from shared.messages import StatusRequest
 
-        return await self.bus.request(self.subjects.controller_status(), StatusRequest(),
-                                      StatusReply, timeout_s)
+        return await self.bus.request(
+            self.subjects.controller_status(), StatusRequest(), StatusReply, timeout_s
+        )

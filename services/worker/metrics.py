@@ -1,0 +1,181 @@
+"""Worker metrics on Prometheus (``fluidpd_worker_*``), in the runtime's own registry.
+
+Gauges are refreshed from live state at each telemetry tick; histograms are observed where
+the work happens (TTFT stages, step times). Served on ``--metrics-port`` at ``/metrics``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+if TYPE_CHECKING:
+    from services.worker.runtime import WorkerRuntime
+
+# TTFT breakdown: where a request's time to first token goes, stage by stage.
+TTFT_STAGES = (
+    "queue_wait",
+    "decode_admission",
+    "prefill_compute",
+    "kv_export",
+    "transfer_queue",
+    "copy",
+    "validation",
+)
+_COEFFICIENTS = (
+    "prefill_c1_s_per_token",
+    "prefill_c0_s",
+    "suffix_s1_s_per_token",
+    "suffix_attn_s_per_token_pair",
+    "suffix_s0_s",
+    "decode_ac_s_per_ctx_token",
+    "decode_an_s_per_seq",
+    "decode_a0_s",
+)
+_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry, worker_id: str) -> None:
+        self.worker_id = worker_id
+        w = ["worker"]
+        self.ttft_stage = Histogram(
+            "fluidpd_worker_ttft_stage_seconds",
+            "Time spent in each TTFT stage",
+            ["worker", "stage"],
+            buckets=_BUCKETS_S,
+            registry=registry,
+        )
+        self.step = Histogram(
+            "fluidpd_worker_step_seconds",
+            "Engine step wall time",
+            ["worker", "kind"],
+            buckets=_BUCKETS_S,
+            registry=registry,
+        )
+        self.predictor_error = Gauge(
+            "fluidpd_worker_predictor_relative_error",
+            "|predicted - measured| / measured of the last step",
+            ["worker", "predictor"],
+            registry=registry,
+        )
+        self.coefficient = Gauge(
+            "fluidpd_worker_profile_coefficient",
+            "Online-recalibrated latency profile coefficients",
+            ["worker", "name"],
+            registry=registry,
+        )
+        self.role = Gauge(
+            "fluidpd_worker_role",
+            "1 for the worker's current role",
+            ["worker", "role"],
+            registry=registry,
+        )
+        self.state = Gauge(
+            "fluidpd_worker_state",
+            "1 for the worker's current state",
+            ["worker", "state"],
+            registry=registry,
+        )
+        self.ppi = Gauge(
+            "fluidpd_worker_ppi", "Prefill Pressure Index (eq. 5)", w, registry=registry
+        )
+        self.dpi_load = Gauge("fluidpd_worker_dpi_load", "DPI_load (eq. 7)", w, registry=registry)
+        self.dpi_adm = Gauge("fluidpd_worker_dpi_adm", "DPI_adm (eq. 8)", w, registry=registry)
+        self.steal_budget = Gauge(
+            "fluidpd_worker_steal_budget_tokens",
+            "Advertised per-prefill steal budget (eq. 17)",
+            w,
+            registry=registry,
+        )
+        self.kv_free = Gauge(
+            "fluidpd_worker_kv_free_blocks", "Free KV blocks", w, registry=registry
+        )
+        self.kv_total = Gauge("fluidpd_worker_kv_total_blocks", "KV blocks", w, registry=registry)
+        self.kv_reserved = Gauge(
+            "fluidpd_worker_kv_reserved_blocks", "Reserved KV blocks", w, registry=registry
+        )
+        self.queue_len = Gauge(
+            "fluidpd_worker_queue_length", "Prefill queue length", w, registry=registry
+        )
+        self.running = Gauge(
+            "fluidpd_worker_running_requests", "Runnable decode requests", w, registry=registry
+        )
+        self.stolen = Gauge(
+            "fluidpd_worker_stolen_tokens_total",
+            "Suffix tokens computed here for other workers (FluidToken)",
+            w,
+            registry=registry,
+        )
+        self.handed_off = Gauge(
+            "fluidpd_worker_handed_off_tokens_total",
+            "Prompt tokens handed to decode workers (FluidToken)",
+            w,
+            registry=registry,
+        )
+        self.splits = Gauge(
+            "fluidpd_worker_split_requests_total", "Requests split here", w, registry=registry
+        )
+        self.refused = Gauge(
+            "fluidpd_worker_refused_steals_total",
+            "Steals refused by the decode-side budget re-check",
+            w,
+            registry=registry,
+        )
+        self.switches = Gauge(
+            "fluidpd_worker_switches_total", "Completed role switches", w, registry=registry
+        )
+        self.requests = Counter(
+            "fluidpd_worker_requests_total",
+            "Requests finished here",
+            ["worker", "outcome"],
+            registry=registry,
+        )
+
+    def observe_stage(self, stage: str, seconds: float) -> None:
+        self.ttft_stage.labels(self.worker_id, stage).observe(max(0.0, seconds))
+
+    def refresh(self, rt: WorkerRuntime) -> None:
+        wid = self.worker_id
+        for role in ("prefill", "decode"):
+            self.role.labels(wid, role).set(1 if rt.role == role else 0)
+        for state in ("active", "drain", "switch"):
+            self.state.labels(wid, state).set(1 if rt.state == state else 0)
+        t = rt.telemetry
+        self.ppi.labels(wid).set(t.ppi)
+        self.dpi_load.labels(wid).set(t.dpi_load)
+        self.dpi_adm.labels(wid).set(t.dpi_adm)
+        self.steal_budget.labels(wid).set(t.steal_budget_tokens)
+        bm = rt.engine.block_manager
+        self.kv_free.labels(wid).set(bm.num_free_blocks)
+        self.kv_total.labels(wid).set(bm.num_blocks)
+        self.kv_reserved.labels(wid).set(bm.num_reserved_blocks)
+        self.queue_len.labels(wid).set(rt.prefill.queue_len)
+        self.running.labels(wid).set(rt.decode.num_running)
+        self.stolen.labels(wid).set(rt.decode.stolen_tokens_total)
+        self.handed_off.labels(wid).set(rt.prefill.handed_off_tokens_total)
+        self.splits.labels(wid).set(rt.prefill.split_requests_total)
+        self.refused.labels(wid).set(rt.decode.refused_steals_total)
+        self.switches.labels(wid).set(rt.switcher.switches_total)
+        prof = t.profile
+        for name in _COEFFICIENTS:
+            self.coefficient.labels(wid, name).set(getattr(prof, name))
+
+
+async def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> web.AppRunner:
+    """Serve ``/metrics`` for ``registry``. Returns the runner (``await runner.cleanup()``)."""
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
