@@ -65,8 +65,8 @@ def router_url(
         cwd=REPO,
         env=worker_env(),
         stdout=subprocess.PIPE,
-        stderr=open(logs / "router.log", "wb"),
-    )  # noqa: SIM115
+        stderr=open(logs / "router.log", "wb"),  # noqa: SIM115
+    )
     try:
         assert router.stdout is not None
         line = router.stdout.readline().decode()  # blocks until the router is listening

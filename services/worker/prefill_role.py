@@ -17,6 +17,7 @@ an error item to the router (the decode side frees its reservation on its own de
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
@@ -293,13 +294,11 @@ class PrefillRole:
     async def _cancel_remote(self, job: PrefillJob) -> None:
         from shared.messages import CancelRequest
 
-        try:
+        with contextlib.suppress(BusError):  # best effort: D also has its own deadline
             await self.bus.publish(
                 self.subjects.worker_cancel(job.msg.decode_worker_id),
                 CancelRequest(request_id=job.request_id, reason="cancelled"),
             )
-        except BusError:
-            pass
 
     def _fail(self, job: PrefillJob, error: str, code: str) -> None:
         self.jobs.pop(job.request_id, None)

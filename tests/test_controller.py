@@ -1,0 +1,251 @@
+"""The controller against a real nats-server with fake workers (registry + telemetry only):
+`fluidpd ctl` status/policy in a subprocess, liveness, decisions, switch commands."""
+
+# ruff: noqa: F811  (pytest fixtures imported from tests.support.fixtures)
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from services.controller import Controller, ControllerConfig
+from shared.bus import Bus, BusConfig
+from shared.bus.registry import RegistryConfig, WorkerRegistration
+from shared.messages import (
+    ControllerDecision,
+    PolicyReply,
+    StreamSequencer,
+    Subjects,
+    SwitchCommand,
+    SwitchReply,
+    WorkerRecord,
+    WorkerTelemetry,
+    decode,
+)
+from shared.policy.config import PolicyConfig
+from tests.support.fixtures import nats_server  # noqa: F401
+from tests.support.nats_server import NatsServer
+
+pytestmark = pytest.mark.timeout(60)
+SUBJECTS = Subjects()
+HEARTBEAT_S = 0.2
+
+
+async def wait_for(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Poll ``pred`` (telemetry has no event to wait on from outside the controller)."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+class FakeWorker:
+    """A registry record plus a telemetry stream; optionally answers switch commands."""
+
+    def __init__(self, url: str, worker_id: str, role: str, **telemetry: float) -> None:
+        self.url = url
+        self.worker_id = worker_id
+        self.role = role
+        self.telemetry = {"free_blocks": 90, "total_blocks": 100, "ppi": 0.0, "dpi_load": 0.0,
+                          "dpi_adm": 0.0, "stolen_tokens_total": 0, "running": 0, **telemetry}
+        self.bus = Bus(BusConfig.from_url(url, name=worker_id), SUBJECTS)
+        self.switches: list[SwitchCommand] = []
+        self.switched = asyncio.Event()
+        self._seq = StreamSequencer(worker_id)
+        self._task: asyncio.Task[None] | None = None
+        self.reg: WorkerRegistration | None = None
+
+    def record(self) -> WorkerRecord:
+        return WorkerRecord(worker_id=self.worker_id, role=self.role, state="active",
+                            pid=4242, host="localhost", model="tiny", fingerprint="fp",
+                            kv_total_blocks=100, kv_block_size=16, max_model_len=2048,
+                            started_at_s=time.time(), heartbeat_at_s=time.time(),
+                            heartbeat_period_s=HEARTBEAT_S)
+
+    async def start(self, switch_reply: SwitchReply | None = None) -> None:
+        await self.bus.start()
+        if switch_reply is not None:
+            async def on_switch(cmd: SwitchCommand) -> SwitchReply:
+                self.switches.append(cmd)
+                self.switched.set()
+                return switch_reply
+
+            await self.bus.serve(SUBJECTS.worker_switch(self.worker_id), SwitchCommand,
+                                 on_switch)
+        self.reg = WorkerRegistration(self.bus, self.record(),
+                                      RegistryConfig(heartbeat_s=HEARTBEAT_S))
+        await self.reg.start()
+        self._task = asyncio.create_task(self._publish())
+
+    async def _publish(self) -> None:
+        subject = SUBJECTS.telemetry(self.role, self.worker_id)
+        while True:
+            t = self.telemetry
+            await self.bus.publish(subject, WorkerTelemetry(
+                publisher_id=self.worker_id, epoch=self._seq.epoch,
+                seq=self._seq.next_seq(subject), time_s=time.time(), role=self.role,
+                state="active", queue_len=0, running=int(t["running"]),
+                free_blocks=int(t["free_blocks"]), total_blocks=int(t["total_blocks"]),
+                ppi=t["ppi"], dpi_load=t["dpi_load"], dpi_adm=t["dpi_adm"],
+                stolen_tokens_total=int(t["stolen_tokens_total"]),
+                metrics={"pid": 4242.0}))
+            await asyncio.sleep(0.05)  # publish period of a (fast) telemetry stream
+
+    async def crash(self) -> None:
+        """Stop heartbeats and telemetry without deregistering (as if killed)."""
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.reg:
+            await self.reg.stop(deregister=False)
+
+    async def stop(self) -> None:
+        await self.crash()
+        await self.bus.stop()
+
+
+def config(url: str, **policy: float) -> ControllerConfig:
+    pol = PolicyConfig(decision_interval_s=0.1, **policy)
+    return ControllerConfig(nats_url=url, policy=pol, heartbeat_s=HEARTBEAT_S)
+
+
+@pytest.fixture
+async def controller(nats_server: NatsServer) -> AsyncIterator[Controller]:
+    async with Controller(config(nats_server.url)) as ctl:
+        yield ctl
+
+
+async def run_ctl(*args: str) -> tuple[int, str, str]:
+    env = {**os.environ, "FLUIDPD_STATE_FILE": "/nonexistent/fluidpd-up.json"}
+    env.pop("FLUIDPD_NATS_URL", None)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli.ctl", *args, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_ctl_status_lists_workers(controller: Controller, nats_server: NatsServer) -> None:
+    p0 = FakeWorker(nats_server.url, "p0", "prefill", ppi=0.75, free_blocks=80)
+    d0 = FakeWorker(nats_server.url, "d0", "decode", dpi_load=0.3, dpi_adm=0.1,
+                    stolen_tokens_total=7)
+    await p0.start()
+    await d0.start()
+    try:
+        await wait_for(lambda: {r.worker_id for r in controller.status().workers
+                                if r.last_seen_s >= 0} == {"p0", "d0"})
+        rc, out, err = await run_ctl("status", "--json", "--nats", nats_server.url)
+        assert rc == 0, err
+        rows = {r["id"]: r for r in json.loads(out)}
+        assert set(rows) == {"p0", "d0"}
+        assert rows["p0"]["role"] == "prefill" and rows["p0"]["state"] == "active"
+        assert (rows["p0"]["free_blocks"], rows["p0"]["total_blocks"]) == (80, 100)
+        assert rows["p0"]["ppi"] == pytest.approx(0.75)
+        assert rows["d0"]["role"] == "decode"
+        assert rows["d0"]["dpi_load"] == pytest.approx(0.3)
+        assert rows["d0"]["dpi_adm"] == pytest.approx(0.1)
+        assert rows["d0"]["stolen_tokens"] == 7
+        assert rows["d0"]["pid"] == 4242
+        rc, out, _ = await run_ctl("status", "--nats", nats_server.url)
+        assert rc == 0
+        assert "p0" in out and "d0" in out and "80/100" in out and "policy: auto" in out
+    finally:
+        await p0.stop()
+        await d0.stop()
+
+
+async def test_dead_worker_drops_out(controller: Controller, nats_server: NatsServer) -> None:
+    live = FakeWorker(nats_server.url, "d1", "decode")
+    dead = FakeWorker(nats_server.url, "d2", "decode")
+    await live.start()
+    await dead.start()
+    try:
+        await controller.watcher.wait_until(lambda w: len(w.workers()) == 2, 5.0)
+        await dead.crash()
+        await controller.watcher.wait_until(lambda w: w.get("d2") is None, 5.0)
+        async with Bus(BusConfig.from_url(nats_server.url), SUBJECTS) as bus:
+            reply = await bus.nc.request(SUBJECTS.controller_status(), b"{}", timeout=2)
+        ids = [w["worker_id"] for w in json.loads(reply.data)["workers"]]
+        assert ids == ["d1"]
+    finally:
+        await live.stop()
+        await dead.stop()
+
+
+async def test_policy_pause_resume(controller: Controller, nats_server: NatsServer) -> None:
+    rc, out, err = await run_ctl("policy", "pause", "--nats", nats_server.url)
+    assert rc == 0, err
+    assert json.loads(out) == {"ok": True, "auto": False, "error": None}
+    assert controller.auto is False
+    decision = await controller.decide_once()
+    assert decision.reason == "paused"
+    # Plain JSON, as an operator would send with the NATS CLI.
+    async with Bus(BusConfig.from_url(nats_server.url), SUBJECTS) as bus:
+        raw = await bus.nc.request(SUBJECTS.controller_policy(), b'{"auto": true}', timeout=2)
+    assert decode(raw.data, PolicyReply).auto is True
+    assert controller.auto is True
+
+
+async def test_decision_published_each_interval(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    got: list[ControllerDecision] = []
+    three = asyncio.Event()
+
+    async def on_decision(msg: ControllerDecision) -> None:
+        got.append(msg)
+        if len(got) >= 3:
+            three.set()
+
+    async with Bus(BusConfig.from_url(nats_server.url), SUBJECTS) as bus:
+        await bus.subscribe_stream(SUBJECTS.controller_decisions(), ControllerDecision,
+                                   on_decision)
+        start = time.monotonic()
+        await asyncio.wait_for(three.wait(), 5.0)
+        elapsed = time.monotonic() - start
+    assert [m.seq for m in got[:3]] == [got[0].seq, got[0].seq + 1, got[0].seq + 2]
+    assert all(m.action == "none" for m in got)
+    assert {"ppi_bar", "dpi_load_bar", "dpi_adm_bar"} <= set(got[0].inputs)
+    assert elapsed < 2.0  # interval 0.1 s: three decisions well within 2 s
+    assert controller.metrics.decisions_total.labels(action="none")._value.get() >= 3
+
+
+async def test_switch_sent_and_refusal_tolerated(nats_server: NatsServer) -> None:
+    # Prefill under pressure, decode idle, two decode workers: eq. 22 → D→P at once.
+    cfg = config(nats_server.url, n_persist=1, cooldown_s=0.0)
+    refuse = SwitchReply(ok=False, error="switching not implemented")
+    p0 = FakeWorker(nats_server.url, "p0", "prefill", ppi=3.0)
+    d0 = FakeWorker(nats_server.url, "d0", "decode", running=5)
+    d1 = FakeWorker(nats_server.url, "d1", "decode", running=1)
+    for w in (p0, d0, d1):
+        await w.start(switch_reply=refuse)
+    try:
+        async with Controller(cfg) as ctl:
+            await asyncio.wait_for(d1.switched.wait(), 10.0)
+            assert d1.switches[0].role == "prefill"
+            assert not d0.switches  # the candidate with the fewest running requests
+            before = ctl.decisions_total
+            await wait_for(lambda: ctl.decisions_total >= before + 2)  # loop carries on
+            assert ctl.metrics.switches_total.labels(outcome="refused")._value.get() >= 1
+    finally:
+        for w in (p0, d0, d1):
+            await w.stop()
+
+
+async def test_ctl_clear_errors(nats_server: NatsServer) -> None:
+    rc, out, err = await run_ctl("status", "--nats", nats_server.url, "--timeout", "1")
+    assert rc == 2 and out == ""
+    assert err.strip().startswith("fluidpd ctl: no answer from the controller")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    rc, _, err = await run_ctl("status", "--nats", "nats://127.0.0.1:1")
+    assert rc == 2
+    assert err.strip() == "fluidpd ctl: cannot reach NATS at nats://127.0.0.1:1"
