@@ -83,6 +83,7 @@ class DecodeRole:
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._suffix_budget = suffix_budget
+        self.chunk_budget: Callable[[], int] | None = None
         self.requests: dict[str, DecodeRequest] = {}
         self.migrated_to: dict[str, str] = {}  # request id -> peer that now decodes it
         self.runnable: list[DecodeRequest] = []
@@ -328,7 +329,10 @@ class DecodeRole:
         steps: list[StepInput] = []
         specs: list[SampleSpec | None] = []
         reqs: list[DecodeRequest] = []
-        prefill_budget = self.prefill_chunk_tokens
+        # Prompt-chunk tokens (stolen suffixes, local prompts) this iteration may carry: the
+        # TPOT-safe suffix length (eq. 16) when the policy provides it.
+        prefill_budget = max(1, self.chunk_budget() if self.chunk_budget else
+                             self.prefill_chunk_tokens)
         for req in self.runnable:
             if req.migrating:
                 continue

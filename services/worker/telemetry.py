@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
+_MIN_CHUNK_TOKENS = 32
 _PEER_FRESH_S = 2.0  # a prefill worker unheard of for this long no longer shares budgets
 
 
@@ -53,6 +54,7 @@ class Telemetry:
         self.dpi_load = 0.0
         self.dpi_adm = 0.0
         self.steal_budget_tokens = 0.0
+        self.max_suffix_tokens = 0.0
         self._task: asyncio.Task[None] | None = None
         self.subscribe_hooks_ready = False
 
@@ -67,6 +69,12 @@ class Telemetry:
         if self.rt.cfg.fluidtoken:
             self.rt.prefill.split_planner = self.split_plan
             self.rt.decode._suffix_budget = self.suffix_allowance
+            self.rt.decode.chunk_budget = self.chunk_tokens
+
+    def chunk_tokens(self) -> int:
+        """Prompt-chunk tokens one decode iteration may run without breaking TPOT (eq. 16);
+        at least a minimum chunk so that queued suffixes always progress."""
+        return max(_MIN_CHUNK_TOKENS, int(self.max_suffix_tokens))
 
     async def start(self) -> None:
         s = self.rt.subjects
@@ -166,6 +174,7 @@ class Telemetry:
         self.dpi_load = pressure.dpi_load
         self.dpi_adm = pressure.dpi_adm
         self.steal_budget_tokens = pressure.steal_budget_tokens if self.rt.role == "decode" else 0
+        self.max_suffix_tokens = pressure.max_suffix_tokens
 
     def _refresh_prefill(self) -> None:
         pf = self.rt.prefill
