@@ -1,7 +1,6 @@
 """The bus wrapper against a real nats-server: request/reply (msgpack and JSON), error
 replies, streams with sequence tracking, metrics, auth, and the raw wire client."""
 
-# ruff: noqa: F811  (pytest fixtures imported from tests.support.fixtures)
 from __future__ import annotations
 
 import asyncio
@@ -40,12 +39,7 @@ from shared.messages import (
     decode_reply,
     encode,
 )
-from tests.support.fixtures import (  # noqa: F401
-    TEST_PASSWORD,
-    TEST_USER,
-    nats_server_auth,
-    nats_server_module,
-)
+from tests.support.fixtures import TEST_PASSWORD, TEST_USER
 from tests.support.nats_wire import WireError, raw_publish, raw_request
 
 SUBJECTS = Subjects()

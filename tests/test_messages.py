@@ -88,6 +88,7 @@ SAMPLES = {
         suffix_len=20,
         sampling=SP,
         tokens_subject="fluidpd.router.rt0.tokens",
+        suffix_token_ids=tuple(range(20)),
     ),
     AdmitReply: AdmitReply(
         ok=True,

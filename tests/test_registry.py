@@ -1,7 +1,6 @@
 """Worker registry on a real nats-server with JetStream: registration, heartbeats, watcher
 liveness (a dead worker leaves within 3 heartbeat periods) and recovery after a restart."""
 
-# ruff: noqa: F811  (pytest fixtures imported from tests.support.fixtures)
 from __future__ import annotations
 
 import asyncio
@@ -19,7 +18,6 @@ from shared.bus.registry import (
     open_bucket,
 )
 from shared.messages import Subjects, WorkerRecord
-from tests.support.fixtures import nats_server, nats_server_module  # noqa: F401
 
 HEARTBEAT_S = 0.2
 CONFIG = RegistryConfig(heartbeat_s=HEARTBEAT_S)

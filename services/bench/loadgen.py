@@ -110,7 +110,7 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, rec: Reques
                 ext = chunk.get("fluidpd")
                 if ext and ext.get("token_receive_s"):
                     rec.server_token_times_s = [t - wall_t0 for t in ext["token_receive_s"]]
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:200]
         return
     times = rec.server_token_times_s or rec.chunk_times_s

@@ -19,13 +19,8 @@ import msgpack
 
 from shared.messages.common import ErrorReply
 from shared.messages.limits import MAX_MESSAGE_BYTES
-from shared.messages.schema import (
-    Message,
-    MessageError,
-    MessageTooLargeError,
-    from_wire,
-    to_wire,
-)
+from shared.messages.schema import Message, MessageError, MessageTooLargeError
+from shared.messages.wire_plan import from_wire, to_wire, validate
 
 TAG_KEY = "_t"
 VERSION_KEY = "_v"
@@ -44,16 +39,16 @@ def encode(
     *,
     json_mode: bool = False,
     max_bytes: int = MAX_MESSAGE_BYTES,
-    validate: bool = True,
+    check: bool = True,
 ) -> bytes:
     """Encode ``msg`` (msgpack, or JSON when ``json_mode``).
 
-    With ``validate`` the message is checked exactly as a receiver would check it, so we
+    With ``check`` the message is validated exactly as a receiver would check it, so we
     never send what the other side must reject. Raises MessageError (invalid message) or
     MessageTooLargeError (encoded size > ``max_bytes``). Pure.
     """
-    if validate:
-        from_wire(type(msg), to_wire(msg, json_mode=False), json_mode=False)
+    if check:
+        validate(msg)
     body: dict[str, Any] = to_wire(msg, json_mode=json_mode)
     body[TAG_KEY] = msg.TYPE_TAG
     body[VERSION_KEY] = msg.SCHEMA_VERSION

@@ -22,6 +22,7 @@ DEFAULT_MAX_ITEMS = 4096
 INT_MIN = -(2**63)
 INT_MAX = 2**64 - 1  # u64 ids (transfer_id) must fit; msgpack carries up to u64.
 
+
 class MessageError(InvalidRequestError):
     """A payload is not a valid message of the expected type and version.
 

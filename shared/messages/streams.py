@@ -43,6 +43,7 @@ class TokenItem(Message):
     """
 
     TYPE_TAG = "token_item"
+    WIRE_ARRAY = True  # sent in bulk inside TokenBatch: an array, not a map, on the wire
 
     request_id: str = field(metadata=_ID)
     index: int = 0  # position of token_ids[0] in the request's output (ordering, dedupe)

@@ -18,7 +18,8 @@ from shared.messages.schema import truncate_text
 from shared.messages.sequence import StreamSequencer
 from shared.messages.streams import MAX_ITEM_TOKENS, MAX_TIMESTAMPS, TokenBatch, TokenItem
 
-# Map header + the six field names of TokenItem, as msgpack strings (generous).
+# Per-item overhead beyond the field values (array header; a map with field names would
+# also fit): generous.
 _ITEM_FIXED_BYTES = 96
 _STR_HEADER_BYTES = 5
 _INT_BYTES = 9
