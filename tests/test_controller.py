@@ -53,8 +53,16 @@ class FakeWorker:
         self.url = url
         self.worker_id = worker_id
         self.role = role
-        self.telemetry = {"free_blocks": 90, "total_blocks": 100, "ppi": 0.0, "dpi_load": 0.0,
-                          "dpi_adm": 0.0, "stolen_tokens_total": 0, "running": 0, **telemetry}
+        self.telemetry = {
+            "free_blocks": 90,
+            "total_blocks": 100,
+            "ppi": 0.0,
+            "dpi_load": 0.0,
+            "dpi_adm": 0.0,
+            "stolen_tokens_total": 0,
+            "running": 0,
+            **telemetry,
+        }
         self.bus = Bus(BusConfig.from_url(url, name=worker_id), SUBJECTS)
         self.switches: list[SwitchCommand] = []
         self.switched = asyncio.Event()
@@ -63,24 +71,35 @@ class FakeWorker:
         self.reg: WorkerRegistration | None = None
 
     def record(self) -> WorkerRecord:
-        return WorkerRecord(worker_id=self.worker_id, role=self.role, state="active",
-                            pid=4242, host="localhost", model="tiny", fingerprint="fp",
-                            kv_total_blocks=100, kv_block_size=16, max_model_len=2048,
-                            started_at_s=time.time(), heartbeat_at_s=time.time(),
-                            heartbeat_period_s=HEARTBEAT_S)
+        return WorkerRecord(
+            worker_id=self.worker_id,
+            role=self.role,
+            state="active",
+            pid=4242,
+            host="localhost",
+            model="tiny",
+            fingerprint="fp",
+            kv_total_blocks=100,
+            kv_block_size=16,
+            max_model_len=2048,
+            started_at_s=time.time(),
+            heartbeat_at_s=time.time(),
+            heartbeat_period_s=HEARTBEAT_S,
+        )
 
     async def start(self, switch_reply: SwitchReply | None = None) -> None:
         await self.bus.start()
         if switch_reply is not None:
+
             async def on_switch(cmd: SwitchCommand) -> SwitchReply:
                 self.switches.append(cmd)
                 self.switched.set()
                 return switch_reply
 
-            await self.bus.serve(SUBJECTS.worker_switch(self.worker_id), SwitchCommand,
-                                 on_switch)
-        self.reg = WorkerRegistration(self.bus, self.record(),
-                                      RegistryConfig(heartbeat_s=HEARTBEAT_S))
+            await self.bus.serve(SUBJECTS.worker_switch(self.worker_id), SwitchCommand, on_switch)
+        self.reg = WorkerRegistration(
+            self.bus, self.record(), RegistryConfig(heartbeat_s=HEARTBEAT_S)
+        )
         await self.reg.start()
         self._task = asyncio.create_task(self._publish())
 
@@ -88,14 +107,26 @@ class FakeWorker:
         subject = SUBJECTS.telemetry(self.role, self.worker_id)
         while True:
             t = self.telemetry
-            await self.bus.publish(subject, WorkerTelemetry(
-                publisher_id=self.worker_id, epoch=self._seq.epoch,
-                seq=self._seq.next_seq(subject), time_s=time.time(), role=self.role,
-                state="active", queue_len=0, running=int(t["running"]),
-                free_blocks=int(t["free_blocks"]), total_blocks=int(t["total_blocks"]),
-                ppi=t["ppi"], dpi_load=t["dpi_load"], dpi_adm=t["dpi_adm"],
-                stolen_tokens_total=int(t["stolen_tokens_total"]),
-                metrics={"pid": 4242.0}))
+            await self.bus.publish(
+                subject,
+                WorkerTelemetry(
+                    publisher_id=self.worker_id,
+                    epoch=self._seq.epoch,
+                    seq=self._seq.next_seq(subject),
+                    time_s=time.time(),
+                    role=self.role,
+                    state="active",
+                    queue_len=0,
+                    running=int(t["running"]),
+                    free_blocks=int(t["free_blocks"]),
+                    total_blocks=int(t["total_blocks"]),
+                    ppi=t["ppi"],
+                    dpi_load=t["dpi_load"],
+                    dpi_adm=t["dpi_adm"],
+                    stolen_tokens_total=int(t["stolen_tokens_total"]),
+                    metrics={"pid": 4242.0},
+                ),
+            )
             await asyncio.sleep(0.05)  # publish period of a (fast) telemetry stream
 
     async def crash(self) -> None:
@@ -127,8 +158,14 @@ async def run_ctl(*args: str) -> tuple[int, str, str]:
     env = {**os.environ, "FLUIDPD_STATE_FILE": "/nonexistent/fluidpd-up.json"}
     env.pop("FLUIDPD_NATS_URL", None)
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli.ctl", *args, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "services.cli.ctl",
+        *args,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
@@ -136,13 +173,18 @@ async def run_ctl(*args: str) -> tuple[int, str, str]:
 
 async def test_ctl_status_lists_workers(controller: Controller, nats_server: NatsServer) -> None:
     p0 = FakeWorker(nats_server.url, "p0", "prefill", ppi=0.75, free_blocks=80)
-    d0 = FakeWorker(nats_server.url, "d0", "decode", dpi_load=0.3, dpi_adm=0.1,
-                    stolen_tokens_total=7)
+    d0 = FakeWorker(
+        nats_server.url, "d0", "decode", dpi_load=0.3, dpi_adm=0.1, stolen_tokens_total=7
+    )
     await p0.start()
     await d0.start()
     try:
-        await wait_for(lambda: {r.worker_id for r in controller.status().workers
-                                if r.last_seen_s >= 0} == {"p0", "d0"})
+        await wait_for(
+            lambda: (
+                {r.worker_id for r in controller.status().workers if r.last_seen_s >= 0}
+                == {"p0", "d0"}
+            )
+        )
         rc, out, err = await run_ctl("status", "--json", "--nats", nats_server.url)
         assert rc == 0, err
         rows = {r["id"]: r for r in json.loads(out)}
@@ -208,8 +250,7 @@ async def test_decision_published_each_interval(
             three.set()
 
     async with Bus(BusConfig.from_url(nats_server.url), SUBJECTS) as bus:
-        await bus.subscribe_stream(SUBJECTS.controller_decisions(), ControllerDecision,
-                                   on_decision)
+        await bus.subscribe_stream(SUBJECTS.controller_decisions(), ControllerDecision, on_decision)
         start = time.monotonic()
         await asyncio.wait_for(three.wait(), 5.0)
         elapsed = time.monotonic() - start
@@ -250,3 +291,24 @@ async def test_ctl_clear_errors(nats_server: NatsServer) -> None:
     rc, _, err = await run_ctl("status", "--nats", "nats://127.0.0.1:1")
     assert rc == 2
     assert err.strip() == "fluidpd ctl: cannot reach NATS at nats://127.0.0.1:1"
+
+
+async def test_metrics_endpoint(nats_server: NatsServer) -> None:
+    from services.common.nats_server import free_port
+
+    port = free_port()
+    cfg = ControllerConfig(
+        nats_url=nats_server.url, policy=PolicyConfig(decision_interval_s=0.1), metrics_port=port
+    )
+    async with Controller(cfg) as ctl:
+        await wait_for(lambda: ctl.decisions_total >= 1)
+        body = await asyncio.to_thread(
+            lambda: (
+                __import__("urllib.request")
+                .request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
+                .read()
+                .decode()
+            )
+        )
+    assert 'fluidpd_controller_decisions_total{action="none"}' in body
+    assert "fluidpd_controller_ppi_bar" in body

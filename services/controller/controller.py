@@ -62,7 +62,7 @@ class Controller:
         self.sequencer = StreamSequencer(config.controller_id)
         self.last_decision: Decision | None = None
         self.decisions_total = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
         self._loop_task: asyncio.Task[None] | None = None
         self._http: Any = None
         self._closed = asyncio.Event()
@@ -226,9 +226,10 @@ class Controller:
         """Ask ``worker_id`` to switch to ``role``; returns its reply, None on failure
         (logged, counted). Never raises BusError."""
         subject = self.subjects.worker_switch(worker_id)
+        command = SwitchCommand(role=role)  # type: ignore[arg-type]  # validated on encode
         try:
             reply = await self.bus.request(
-                subject, SwitchCommand(role=role), SwitchReply, self.config.switch_timeout_s
+                subject, command, SwitchReply, self.config.switch_timeout_s
             )
         except (BusError, RemoteError) as exc:
             self.metrics.switches_total.labels(outcome="error").inc()

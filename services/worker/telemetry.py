@@ -230,6 +230,7 @@ class Telemetry:
                 "migrations_in_total": float(dec.migrations_in_total),
                 "migrations_out_total": float(dec.migrations_out_total),
                 "switches_total": float(rt.switcher.switches_total),
+                "running_prefill_tokens": float(pf.current.prompt_len if pf.current else 0),
                 "reserved_blocks": float(bm.num_reserved_blocks),
                 "receiving": float(dec.num_receiving),
                 "decode_iterations_total": float(dec.iterations_total),

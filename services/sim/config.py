@@ -1,0 +1,115 @@
+"""SimConfig: one simulated FluidPD cluster, and the named configurations of the paper's §V.
+
+Every default mirrors the real worker, router and controller (services/worker/config.py,
+services/worker/decode_role.py, services/router/pairing.py, services/controller); the
+FluidToken/FluidRole thresholds come from ``PolicyConfig`` (shared/policy/config.py), the
+latency model from the shipped profile. Values the real system does not have (the KV link,
+the switch overhead) are named as modelling choices on their field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from shared.policy.config import PolicyConfig
+
+STATIC = "static"  # fixed split, round robin, no stealing, no switching (SGLang-like baseline)
+TOKEN = "token"  # FluidToken only
+ROLE = "role"  # FluidRole only
+FULL = "full"  # FluidToken + FluidRole
+ORACLE = "oracle"  # best static split per window in hindsight (run.py)
+CONFIGS = (STATIC, TOKEN, ROLE, FULL)
+PAIRINGS = ("round_robin", "pressure")
+
+
+class SimConfigError(ValueError):
+    """A SimConfig field is out of range."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Immutable; validated on construction (raises SimConfigError)."""
+
+    workers: int = 8
+    prefill_workers: int = 0  # initial prefill workers; 0 = workers // 2 (4P4D for 8)
+    fluidtoken: bool = False
+    fluidrole: bool = False
+    pairing: str = "round_robin"  # router policy: round_robin | pressure
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    # Worker engine (WorkerConfig / DecodeRole defaults).
+    block_size: int = 16
+    num_kv_blocks: int = 0  # per worker; 0 = the profile's capacity
+    max_num_seqs: int = 64  # decode admission limit and N_TPOT cap (WorkerConfig)
+    prefill_chunk_tokens: int = 512  # suffix tokens one decode iteration runs (DecodeRole)
+    telemetry_interval_s: float = 0.02  # WorkerConfig.telemetry_interval_s
+    # Admission (PrefillRole._admit / DecodeRole.admit): retry periods and the give-up.
+    admit_timeout_s: float = 5.0
+    retry_batch_full_s: float = 0.02
+    retry_no_blocks_s: float = 0.05
+    retry_not_admitting_s: float = 0.05
+    # KV transfer (modelling choice): one link per source worker, transfers serialised on it.
+    kv_bandwidth_bytes_per_s: float = 25e9  # ~NVLink-class per-GPU bandwidth
+    kv_transfer_overhead_s: float = 0.0  # fixed per transfer (envelope, validation, RTT)
+    # FluidRole in the worker (switch.py): drain bound and the in-place flip itself.
+    drain_timeout_s: float = 60.0
+    switch_overhead_s: float = 0.05  # re-slice + route update after the drain (design goal)
+    migrate_on_drain: bool = False  # D→P: move running decodes to peers (KV over the link)
+    # Simulator bounds (speed), see cluster.py.
+    policy_queue_window: int = 512  # queued requests PPI/Algorithm 1 inspect
+    sample_interval_s: float = 1.0  # time-series resolution
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.workers <= 4096:
+            raise SimConfigError("workers must be in [2, 4096]")
+        if not 0 <= self.prefill_workers < self.workers:
+            raise SimConfigError("prefill_workers must be in [0, workers)")
+        if self.pairing not in PAIRINGS:
+            raise SimConfigError(f"pairing must be one of {PAIRINGS}")
+        ints = ("block_size", "max_num_seqs", "prefill_chunk_tokens", "policy_queue_window")
+        for name in ints:
+            if getattr(self, name) < 1:
+                raise SimConfigError(f"{name} must be >= 1")
+        if self.num_kv_blocks < 0:
+            raise SimConfigError("num_kv_blocks must be >= 0")
+        positive = (
+            "telemetry_interval_s",
+            "admit_timeout_s",
+            "retry_batch_full_s",
+            "retry_no_blocks_s",
+            "retry_not_admitting_s",
+            "kv_bandwidth_bytes_per_s",
+            "drain_timeout_s",
+            "sample_interval_s",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise SimConfigError(f"{name} must be > 0")
+        for name in ("kv_transfer_overhead_s", "switch_overhead_s"):
+            if not getattr(self, name) >= 0:
+                raise SimConfigError(f"{name} must be >= 0")
+
+    @property
+    def initial_prefill(self) -> int:
+        return self.prefill_workers or self.workers // 2
+
+    @property
+    def needs_telemetry(self) -> bool:
+        """Telemetry only matters to pressure pairing, FluidToken and FluidRole."""
+        return self.fluidtoken or self.fluidrole or self.pairing == "pressure"
+
+
+def config_for(name: str, base: SimConfig | None = None) -> SimConfig:
+    """The paper's configuration ``name`` (static | token | role | full) on top of ``base``
+    (cluster size, SLOs, link...). Raises SimConfigError for an unknown name."""
+    base = base or SimConfig()
+    if name == STATIC:
+        return replace(base, fluidtoken=False, fluidrole=False, pairing="round_robin")
+    if name == TOKEN:
+        return replace(base, fluidtoken=True, fluidrole=False, pairing="pressure")
+    if name == ROLE:
+        return replace(base, fluidtoken=False, fluidrole=True, pairing="pressure")
+    if name == FULL:
+        return replace(base, fluidtoken=True, fluidrole=True, pairing="pressure")
+    raise SimConfigError(f"unknown configuration {name!r}; known: {[*CONFIGS, ORACLE]}")

@@ -1,0 +1,186 @@
+"""`fluidpd up` as a real process tree: ready line, /health, `fluidpd ctl` through the
+recorded state file, SIGTERM → exit 0 with no surviving child; early child failure."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from services.common.nats_server import free_port
+
+pytestmark = pytest.mark.timeout(120)
+READY = "fluidpd up: ready"
+
+
+class UpProcess:
+    """`fluidpd up` in a subprocess with its output collected by a thread."""
+
+    def __init__(self, args: list[str], state_file: Path) -> None:
+        self.env = {**os.environ, "FLUIDPD_STATE_FILE": str(state_file), "PYTHONUNBUFFERED": "1"}
+        self.env.pop("FLUIDPD_NATS_URL", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli.main", "up", *args],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+        self.done = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+            if line.startswith(READY):
+                self.ready.set()
+        self.done.set()
+
+    def output(self) -> str:
+        return "\n".join(self.lines[-60:])
+
+    def wait_ready(self, timeout_s: float) -> None:
+        # Wakes on the ready line or on exit (EOF), whichever comes first.
+        deadline = time.monotonic() + timeout_s
+        while not self.ready.is_set():
+            if self.done.is_set() or time.monotonic() > deadline:
+                raise AssertionError(f"fluidpd up not ready:\n{self.output()}")
+            self.ready.wait(0.2)
+
+    def kill_tree(self) -> None:
+        try:
+            procs = [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(True)]
+        except psutil.NoSuchProcess:
+            procs = []
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(p.pid, signal.SIGKILL)
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def state_file(tmp_path: Path) -> Path:
+    return tmp_path / "up.json"
+
+
+def alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture
+def up(state_file: Path) -> Iterator[UpProcess]:
+    port = free_port()
+    proc = UpProcess(
+        [
+            "--model",
+            "tiny",
+            "--engine",
+            "torch",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+        ],
+        state_file,
+    )
+    proc.port = port  # type: ignore[attr-defined]
+    try:
+        yield proc
+    finally:
+        if proc.proc.poll() is None:
+            proc.kill_tree()
+
+
+def test_up_serves_and_stops_cleanly(up: UpProcess, state_file: Path) -> None:
+    up.wait_ready(90)
+    port = up.port  # type: ignore[attr-defined]
+    assert any(f"curl http://127.0.0.1:{port}/v1/chat/completions" in line for line in up.lines)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+        assert resp.status == 200
+
+    state = json.loads(state_file.read_text())
+    assert state["pid"] == up.proc.pid
+    assert set(state["pids"]) == {"nats", "controller", "router", "p0", "d0"}
+    assert state["router_url"] == f"http://127.0.0.1:{port}"
+
+    # ctl finds the cluster through the state file (no --nats, no FLUIDPD_NATS_URL).
+    ctl = subprocess.run(
+        [sys.executable, "-m", "services.cli.ctl", "status", "--json"],
+        env=up.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert ctl.returncode == 0, ctl.stderr
+    rows = {r["id"]: r for r in json.loads(ctl.stdout)}
+    assert {k: rows[k]["role"] for k in rows} == {"p0": "prefill", "d0": "decode"}
+    assert all(r["state"] == "active" and r["total_blocks"] > 0 for r in rows.values())
+
+    tree = [p.pid for p in psutil.Process(up.proc.pid).children(recursive=True)]
+    assert set(state["pids"].values()) <= set(tree)
+    start = time.monotonic()
+    up.proc.send_signal(signal.SIGTERM)
+    rc = up.proc.wait(15)
+    assert rc == 0, up.output()
+    assert time.monotonic() - start < 15
+    assert alive(tree) == [], f"survivors: {alive(tree)}"
+    assert not state_file.exists()
+    assert up.lines[-1] == "fluidpd up: stopped"
+
+
+def test_up_fails_clearly_when_a_child_dies(state_file: Path) -> None:
+    port = free_port()
+    up = UpProcess(
+        [
+            "--model",
+            "/nonexistent/model",
+            "--engine",
+            "torch",
+            "--prefill",
+            "1",
+            "--decode",
+            "1",
+            "--port",
+            str(port),
+        ],
+        state_file,
+    )
+    try:
+        assert up.done.wait(60), up.output()
+        rc = up.proc.wait(20)
+        text = up.output()
+        assert rc == 1, text
+        assert "start-up failed" in text and "exited with status" in text
+        assert not state_file.exists()
+    finally:
+        if up.proc.poll() is None:
+            up.kill_tree()
