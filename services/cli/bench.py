@@ -13,6 +13,8 @@ _BENCHES = {
     "switch": "services.bench.switch",
     "replay": "services.bench.replay",
     "soak": "services.bench.soak",
+    "fluidtoken": "services.bench.fluidtoken",
+    "sim": "services.bench.sim",
 }
 
 

@@ -10,8 +10,8 @@
 
 from __future__ import annotations
 
-from shared.policy.fluidrole import DECODE, PREFILL
 from services.sim.workers import SimWorker
+from shared.policy.fluidrole import DECODE, PREFILL
 
 
 class NoActiveWorker(RuntimeError):

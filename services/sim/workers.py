@@ -37,8 +37,8 @@ class SimRequest:
         "kf",
         "n0",
         "ntok",
-        "outs",
         "output",
+        "outs",
         "planned_suffix",
         "prefix",
         "prompt",
@@ -119,6 +119,9 @@ class SimWorker:
         self.ppi = 0.0
         self.dpi_load = 0.0
         self.dpi_adm = 0.0
+        self.queue_len_tel = 0
+        self.free_blocks_tel = num_blocks
+        self.running_tel = 0
         self.sent_since = 0  # router: requests sent since the last telemetry
 
     # ----------------------------------------------------------------- views

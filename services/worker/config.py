@@ -51,6 +51,7 @@ class WorkerConfig:
     force_steal_ratio: float = -1.0  # >= 0: split every prompt at this beta (tests, debugging)
     policy_config: str = ""
     recalibrate: bool = True  # refit the latency profile online from observed step times
+    migrate: bool = True  # D->P switch: live-migrate long decodes to peers instead of waiting
     metrics_port: int = 0  # 0: no /metrics HTTP server
     metrics_host: str = "127.0.0.1"
     host: str = field(default_factory=socket.gethostname)

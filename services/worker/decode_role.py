@@ -331,8 +331,9 @@ class DecodeRole:
         reqs: list[DecodeRequest] = []
         # Prompt-chunk tokens (stolen suffixes, local prompts) this iteration may carry: the
         # TPOT-safe suffix length (eq. 16) when the policy provides it.
-        prefill_budget = max(1, self.chunk_budget() if self.chunk_budget else
-                             self.prefill_chunk_tokens)
+        prefill_budget = max(
+            1, self.chunk_budget() if self.chunk_budget else self.prefill_chunk_tokens
+        )
         for req in self.runnable:
             if req.migrating:
                 continue
@@ -422,6 +423,17 @@ class DecodeRole:
                 self._finish(req)
 
     # ------------------------------------------------------------------ telemetry
+    def pending_prompt_tokens(self) -> int:
+        """Prompt tokens accepted here (stolen suffixes, local prompts) not yet computed."""
+        total = 0
+        for req in self.requests.values():
+            if req.phase == "receiving":
+                total += len(req.suffix_token_ids)
+            else:
+                pending = req.seq.num_tokens - req.seq.num_cached_tokens
+                total += pending if pending > 1 else 0
+        return total
+
     @property
     def num_running(self) -> int:
         return len(self.runnable)

@@ -44,6 +44,12 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         "--no-fluidtoken", action="store_true", default=env("FLUIDPD_FLUIDTOKEN", "1") == "0"
     )
     p.add_argument(
+        "--no-migrate",
+        action="store_true",
+        default=env("FLUIDPD_MIGRATE", "1") == "0",
+        help="on a D->P switch, wait for running decodes instead of live-migrating them",
+    )
+    p.add_argument(
         "--force-steal-ratio", type=float, default=float(env("FLUIDPD_FORCE_STEAL_RATIO", "-1"))
     )
     p.add_argument(
@@ -83,6 +89,7 @@ def config_from_args(role: str, argv: list[str] | None) -> WorkerConfig:
         heartbeat_s=a.heartbeat_s,
         transfer_timeout_s=a.transfer_timeout_s,
         fluidtoken=not a.no_fluidtoken,
+        migrate=not a.no_migrate,
         force_steal_ratio=a.force_steal_ratio,
         kv_zero_on_free=a.kv_zero_on_free,
         cluster_secret=os.environ.get("FLUIDPD_CLUSTER_SECRET", ""),

@@ -157,7 +157,7 @@ class WorkerRuntime:
         await self.bus.serve(
             s.worker_cancel(wid), CancelRequest, self._on_cancel, max_concurrency=64
         )
-        self.switcher = RoleSwitcher(self)
+        self.switcher = RoleSwitcher(self, migrate=cfg.migrate)
         await self.bus.serve(s.worker_switch(wid), SwitchCommand, self.switcher.on_switch)
         await self.bus.serve(
             s.worker_migrate(wid), MigrateRequest, self._on_migrate, max_concurrency=16

@@ -173,7 +173,11 @@ class Telemetry:
         )
         self.dpi_load = pressure.dpi_load
         self.dpi_adm = pressure.dpi_adm
-        self.steal_budget_tokens = pressure.steal_budget_tokens if self.rt.role == "decode" else 0
+        # Suffix work already accepted and not yet run uses up the same TPOT slack: the
+        # budget we offer (and re-check) is what is left of one iteration's worth (eq. 16-17).
+        pending = self.rt.decode.pending_prompt_tokens()
+        budget = max(0.0, pressure.steal_budget_tokens - pending)
+        self.steal_budget_tokens = budget if self.rt.role == "decode" else 0.0
         self.max_suffix_tokens = pressure.max_suffix_tokens
 
     def _refresh_prefill(self) -> None:
@@ -230,6 +234,11 @@ class Telemetry:
                 "migrations_in_total": float(dec.migrations_in_total),
                 "migrations_out_total": float(dec.migrations_out_total),
                 "switches_total": float(rt.switcher.switches_total),
+                # The last completed switch's phases (0 before the first): benchmarks read them.
+                **{
+                    f"switch_{k}": float(rt.switcher.last_durations_ms.get(k, 0.0))
+                    for k in ("drain_ms", "reslice_ms", "route_update_ms")
+                },
                 "running_prefill_tokens": float(pf.current.prompt_len if pf.current else 0),
                 "reserved_blocks": float(bm.num_reserved_blocks),
                 "receiving": float(dec.num_receiving),

@@ -1,0 +1,336 @@
+"""Discrete-event simulation of a FluidPD cluster: the data path (router → prefill → KV
+transfer → decode). Telemetry, FluidRole and switching are in control.py.
+
+What is modelled, mirroring the real services (file names are the ones mirrored):
+
+* router/pairing.py — each arrival gets a (prefill, decode) pair among Active workers.
+* worker/prefill_role.py — FIFO queue, one request per prefill iteration. At the head:
+  Algorithm 1 (``select_steal_ratios``, FluidToken configs) over the queue with the freshest
+  steal budgets, suffix = min(plan, L − 1); then admission at the paired decode worker,
+  retried every 20 ms (batch full) / 50 ms (no blocks) while the request holds the head,
+  given up after max(admit_timeout, remaining TTFT budget) (the request fails); then the
+  prefix computes for T_pre(L_pfx) (eq. 2); the first token is streamed at once when nothing
+  was stolen; the prefix KV leaves over the worker's link (serialised) at
+  ``kv_bytes_per_token × L_pfx / bandwidth`` while the next prefill starts.
+* worker/decode_role.py — admission reserves blocks for min(L + max_tokens, context) and
+  counts toward ``max_num_seqs``; it re-checks a planned steal against its budget now and
+  refuses the steal (not the request) when it exceeds it. Installed requests join the
+  continuous batch at the next iteration; one iteration takes T_iter(N, C) (eq. 13) plus,
+  for up to ``prefill_chunk_tokens`` stolen suffix tokens, T_sfx(chunk, context) each (the
+  emulated engine's cost of a mixed step); a split request's first token comes out of the
+  iteration that runs its last suffix chunk.
+
+Deviation (documented, deliberate): a queued request whose paired decode worker has left
+the Active decode role (D→P drain) is re-paired to another decode worker when it reaches
+the head; the real prefill worker keeps retrying the original worker until it gives up.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Sequence
+from itertools import islice
+
+from services.sim.results import SimResult
+
+from services.bench.workloads import TraceRequest
+from services.sim.config import SimConfig
+from services.sim.control import ControlPlane
+from services.sim.events import (
+    E_ARRIVAL,
+    E_CONTROL,
+    E_DRAIN_CHECK,
+    E_DRAIN_TIMEOUT,
+    E_ITER_DONE,
+    E_KV_ARRIVE,
+    E_MIGRATE_ARRIVE,
+    E_PREFILL_DONE,
+    E_PREFILL_RETRY,
+    E_SAMPLE,
+    E_SWITCH_DONE,
+    E_TELEMETRY,
+)
+from services.sim.router import SimRouter
+from services.sim.workers import SimRequest, SimWorker, initial_workers
+from shared.policy.fluidrole import DECODE, PREFILL
+from shared.policy.fluidtoken import StealBudget, select_steal_ratios
+from shared.policy.predictors import LatencyProfile
+from shared.policy.pressure import QueuedRequest
+
+
+class SimulationError(RuntimeError):
+    """The simulation lost a request (a bug): the event queue ran dry with requests open."""
+
+
+class Simulation(ControlPlane):
+    """One run. ``run()`` may be called once; everything is simulated seconds from 0."""
+
+    def __init__(
+        self,
+        trace: Sequence[TraceRequest],
+        cfg: SimConfig,
+        profile: LatencyProfile,
+        label: str = "",
+    ) -> None:
+        self.cfg = cfg
+        self.profile = profile
+        self.policy = cfg.policy
+        self.label = label
+        num_blocks = cfg.num_kv_blocks or max(1, profile.kv_capacity_tokens // cfg.block_size)
+        self.workers: list[SimWorker] = initial_workers(
+            cfg.workers, cfg.initial_prefill, num_blocks
+        )
+        self.router = SimRouter(self.workers, cfg.pairing)
+        ordered = sorted(trace, key=lambda t: t.arrival_s)
+        self.reqs = [
+            SimRequest(i, t.arrival_s, t.prompt_tokens, t.output_tokens, t.source, t.window)
+            for i, t in enumerate(ordered)
+        ]
+        self.budgets: dict[str, StealBudget] = {}
+        self.now = 0.0
+        self.remaining = len(self.reqs)
+        self.events = 0
+        self.stolen_tokens = 0
+        self.split_requests = 0
+        self.refused_steals = 0
+        self._heap: list[tuple[float, int, int, object, object]] = []
+        self._seq = 0
+        self._next_arrival = 0
+        self._max_ctx = profile.max_context_tokens
+        self._kv_s_per_token = profile.kv_bytes_per_token / cfg.kv_bandwidth_bytes_per_s
+        self.init_control()
+
+    # ------------------------------------------------------------------ engine
+    def push(self, t: float, kind: int, a: object, b: object = None) -> None:
+        heapq.heappush(self._heap, (t, self._seq, kind, a, b))
+        self._seq += 1
+
+    def run(self) -> SimResult:
+        """Replay every request to completion (or failure). Raises SimulationError."""
+        started = time.perf_counter()
+        if self.reqs:
+            self.push(self.reqs[0].arrival_s, E_ARRIVAL, None)
+            self.start_ticks()
+        heap, pop = self._heap, heapq.heappop
+        while heap:
+            t, _, kind, a, b = pop(heap)
+            self.now = t
+            self.events += 1
+            if kind == E_ITER_DONE:
+                self._iter_done(a)  # type: ignore[arg-type]
+            elif kind == E_KV_ARRIVE:
+                self._kv_arrive(a, b)  # type: ignore[arg-type]
+            elif kind == E_PREFILL_DONE:
+                self._prefill_done(a, b)  # type: ignore[arg-type]
+            elif kind == E_ARRIVAL:
+                self._arrival()
+            elif kind == E_TELEMETRY:
+                self.on_telemetry()
+            elif kind == E_PREFILL_RETRY:
+                self._prefill_retry(a, b)  # type: ignore[arg-type]
+            elif kind == E_SAMPLE:
+                self.on_sample()
+            elif kind == E_CONTROL:
+                self.on_control()
+            elif kind == E_MIGRATE_ARRIVE:
+                self.on_migrate_arrive(a, b)  # type: ignore[arg-type]
+            elif kind == E_DRAIN_CHECK:
+                self.check_drain(a)  # type: ignore[arg-type]
+            elif kind == E_SWITCH_DONE:
+                self.on_switch_done(a, b)  # type: ignore[arg-type]
+            elif kind == E_DRAIN_TIMEOUT:
+                self.on_drain_timeout(a, b)  # type: ignore[arg-type]
+        if self.remaining:
+            raise SimulationError(f"{self.remaining} requests never completed")
+        return SimResult.from_simulation(self, time.perf_counter() - started)
+
+    # ---------------------------------------------------------------- arrivals
+    def _arrival(self) -> None:
+        r = self.reqs[self._next_arrival]
+        self._next_arrival += 1
+        if self._next_arrival < len(self.reqs):
+            self.push(self.reqs[self._next_arrival].arrival_s, E_ARRIVAL, None)
+        if r.prompt + 1 > self._max_ctx:  # engine.check_prompt: rejected at once
+            self.fail(r)
+            return
+        p = self.router.pick(PREFILL)
+        d = self.router.pick(DECODE)
+        r.pw, r.dw = p.index, d.index
+        r.qview = QueuedRequest(f"r{r.idx}", r.arrival_s, r.prompt, d.wid)
+        p.queue.append(r)
+        if p.current is None:
+            self.prefill_next(p)
+
+    def fail(self, r: SimRequest) -> None:
+        r.failed = True
+        r.done = True
+        self.remaining -= 1
+
+    # ---------------------------------------------------------------- prefill
+    def prefill_next(self, w: SimWorker) -> None:
+        """Start the head of ``w``'s queue if ``w`` is idle (the prefill loop's wakeup)."""
+        while w.current is None and w.queue:
+            r = w.queue.popleft()
+            w.current = r
+            self._try_admit(w, r, True)
+        if w.current is None and w.state == "drain":
+            self.check_drain(w)
+
+    def _prefill_retry(self, w: SimWorker, r: SimRequest) -> None:
+        if w.current is r:
+            self._try_admit(w, r, False)
+            if w.current is None:
+                self.prefill_next(w)
+
+    def _try_admit(self, w: SimWorker, r: SimRequest, first: bool) -> None:
+        cfg, now = self.cfg, self.now
+        d = self.workers[r.dw]
+        if not (d.role == DECODE and d.state == "active"):
+            d = self.router.pick(DECODE)  # re-pair (module doc: deviation)
+            r.dw = d.index
+            r.qview = QueuedRequest(f"r{r.idx}", r.arrival_s, r.prompt, d.wid)
+        if first:
+            r.give_up_s = now + max(cfg.admit_timeout_s, r.arrival_s + self.policy.ttft_s - now)
+            sfx = 0
+            if cfg.fluidtoken and self.budgets:
+                view = [r.qview]
+                view.extend(q.qview for q in islice(w.queue, cfg.policy_queue_window - 1))
+                plan = select_steal_ratios(view, self.budgets, self.profile, self.policy, now)
+                sfx = min(plan.stolen_tokens.get(0, 0), r.prompt - 1)
+            r.planned_suffix = sfx
+        if not d.admitting:
+            retry = cfg.retry_not_admitting_s
+        elif d.requests >= cfg.max_num_seqs:
+            retry = cfg.retry_batch_full_s
+        else:
+            sfx = r.planned_suffix
+            if sfx > 0 and sfx > self.steal_allowance(d):
+                sfx = 0  # DecodeRole.admit refuses the steal, not the request
+                self.refused_steals += 1
+            bs = cfg.block_size
+            blocks = -(-min(r.prompt + r.output, self._max_ctx) // bs)
+            if d.free_blocks >= blocks:
+                d.reserved_blocks += blocks
+                d.requests += 1
+                d.receiving += 1
+                r.blocks, r.suffix, r.prefix = blocks, sfx, r.prompt - sfx
+                self.push(now + self.profile.prefill_time_s(r.prefix), E_PREFILL_DONE, w, r)
+                return
+            retry = cfg.retry_no_blocks_s
+        if now > r.give_up_s:
+            w.current = None
+            self.fail(r)
+            return
+        self.push(now + retry, E_PREFILL_RETRY, w, r)
+
+    def _prefill_done(self, w: SimWorker, r: SimRequest) -> None:
+        now = self.now
+        w.current = None
+        if r.suffix == 0:
+            r.t_first = now  # first token sampled and streamed by the prefill worker
+        else:
+            self.split_requests += 1
+        start = now if now > w.link_free_s else w.link_free_s
+        arrive = start + self.cfg.kv_transfer_overhead_s + r.prefix * self._kv_s_per_token
+        w.link_free_s = arrive
+        self.push(arrive, E_KV_ARRIVE, self.workers[r.dw], r)
+        self.prefill_next(w)
+
+    # ----------------------------------------------------------------- decode
+    def _kv_arrive(self, d: SimWorker, r: SimRequest) -> None:
+        d.reserved_blocks -= r.blocks
+        d.held_blocks += r.blocks
+        d.receiving -= 1
+        if r.suffix:
+            r.sfx_done = 0
+            d.suffixes.append(r)
+            d.suffix_tokens += r.prompt
+        elif r.output == 1:
+            r.t_last = r.t_first
+            self.finish(d, r)
+            return
+        else:
+            r.ntok, r.outs = r.prompt + 1, 1
+            d.pending.append(r)
+            d.pending_tokens += r.ntok
+        if not d.busy:
+            self.start_iter(d)
+
+    def finish(self, d: SimWorker, r: SimRequest) -> None:
+        if r.t_last < 0:
+            r.t_last = self.now
+        r.done = True
+        d.release(r)
+        self.remaining -= 1
+        if d.state == "drain" and d.requests == 0:
+            self.check_drain(d)
+
+    def start_iter(self, d: SimWorker) -> None:
+        """Plan and start one decode iteration on idle ``d`` (DecodeRole._plan + step)."""
+        if d.pending:
+            d.join_pending()
+        n = d.n_dec
+        c = d.s_ctx + n * d.k
+        t = 0.0
+        if d.suffixes:
+            budget = self.cfg.prefill_chunk_tokens
+            chunks = d.iter_chunks
+            profile = self.profile
+            for r in d.suffixes:
+                if budget <= 0:
+                    break
+                left = r.suffix - r.sfx_done
+                chunk = left if left < budget else budget
+                budget -= chunk
+                ctx = r.prefix + r.sfx_done
+                if chunk == 1:  # the emulated engine prices a 1-token step as decode
+                    n += 1
+                    c += ctx + 1
+                else:
+                    t += profile.suffix_time_s(chunk, ctx)
+                chunks.append((r, chunk))
+        if n:
+            t += self.profile.decode_iter_time_s(n, c)
+        if n == 0 and not d.iter_chunks:
+            d.busy = False
+            return
+        d.busy = True
+        self.push(self.now + t, E_ITER_DONE, d)
+
+    def _iter_done(self, d: SimWorker) -> None:
+        now = self.now
+        d.k += 1
+        last = d.k - 1
+        heap = d.finish_heap
+        while heap and heap[0][0] <= last:
+            _, _, epoch, r = heapq.heappop(heap)
+            if r.epoch != epoch or r.dw != d.index or r.done:
+                continue  # left this batch (migrated)
+            d.leave_batch(r)
+            r.t_last = now
+            self.finish(d, r)
+        if d.iter_chunks:
+            for r, chunk in d.iter_chunks:
+                r.sfx_done += chunk
+                if r.sfx_done < r.suffix:
+                    continue
+                d.suffixes.remove(r)
+                d.suffix_tokens -= r.prompt
+                r.t_first = now  # sampled at the end of the last suffix chunk
+                self.stolen_tokens += r.suffix
+                self.stolen_since_sample += r.suffix
+                if r.output == 1:
+                    self.finish(d, r)
+                else:
+                    r.ntok, r.outs = r.prompt + 1, 1
+                    d.pending.append(r)
+                    d.pending_tokens += r.ntok
+            d.iter_chunks.clear()
+        d.busy = False
+        if d.state == "drain" and self.cfg.migrate_on_drain:
+            self.migrate_all(d)
+        if d.n_dec or d.pending or d.suffixes:
+            self.start_iter(d)
+        elif d.state == "drain":
+            self.check_drain(d)

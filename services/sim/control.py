@@ -1,0 +1,288 @@
+"""The simulator's control plane: telemetry (20 ms), FluidRole (1 s), switching, migration.
+
+Mirrors worker/telemetry.py, controller/status.py + controller.py and worker/switch.py:
+
+* Telemetry: every worker publishes every ``telemetry_interval_s``. A decode-role worker
+  computes ``decode_pressure`` (eq. 6–8, 14, 16, 17) from its load — C_active = Σ tokens of
+  runnable requests, C_reserved = blocks reserved for transfers in flight, N = runnable
+  requests, |P| = prefill-role workers, N_TPOT capped at ``max_num_seqs`` — and publishes
+  ⌊B_steal⌋; a prefill-role worker publishes PPI (eq. 5) over its queue with the running
+  prefill's full T_pre as ``running_remaining_s`` (as the worker does). The controller keeps a
+  PPI window per prefill worker (eq. 20's p95) and forgets it when the worker turns decode.
+* Controller: every ``decision_interval_s`` a ClusterSnapshot goes to ``RolePolicy.decide``
+  (eq. 20–23, N_persist, cooldown, one switch at a time, never empty a role).
+* Switch: Drain → Switch → Active. P→D hands queued requests round-robin to the other
+  Active prefill workers, finishes the running prefill and waits for its link to go idle.
+  D→P stops admission and waits for every decode request to finish — or, with
+  ``migrate_on_drain``, moves each running decode (at an iteration boundary) to the Active
+  decode worker with the most free blocks, its KV (tokens so far) over the link; it is
+  cancelled after ``drain_timeout_s``. The flip itself costs ``switch_overhead_s``.
+
+Only the PPI inspection is bounded (``policy_queue_window`` requests): beyond a few hundred
+queued requests the predicted work far exceeds any TTFT budget, so PPI is already ≫ 1 and
+Algorithm 1 spends every budget on the first at-risk requests; the bound keeps a saturated
+queue from costing O(queue) per 20 ms tick.
+"""
+
+from __future__ import annotations
+
+from itertools import islice
+from typing import TYPE_CHECKING, Any
+
+from services.sim.events import (
+    E_CONTROL,
+    E_DRAIN_CHECK,
+    E_DRAIN_TIMEOUT,
+    E_MIGRATE_ARRIVE,
+    E_SAMPLE,
+    E_SWITCH_DONE,
+    E_TELEMETRY,
+)
+from services.sim.workers import SimRequest, SimWorker
+from shared.policy.fluidrole import (
+    ACTIVE,
+    DECODE,
+    DRAIN,
+    PREFILL,
+    SWITCH,
+    ClusterSnapshot,
+    RolePolicy,
+    WorkerView,
+)
+from shared.policy.fluidtoken import StealBudget
+from shared.policy.pressure import DecodeLoad, DecodePressure, decode_pressure, queue_ppi
+from shared.policy.window import KeyedWindows
+
+if TYPE_CHECKING:
+    from services.sim.cluster import Simulation
+
+
+class ControlPlane:
+    """Mixin of ``Simulation`` (shares its attributes)."""
+
+    def init_control(self: Simulation) -> None:
+        self.role_policy = RolePolicy(self.policy)
+        self.ppi_windows = KeyedWindows(self.policy.window_s)
+        self.switches: list[dict[str, Any]] = []
+        self.migrations = 0
+        self.stolen_since_sample = 0
+        self.series: dict[str, list[float]] = {
+            "t_s": [],
+            "prefill_queue": [],
+            "prefill_workers": [],
+            "stolen_tokens_per_s": [],
+            "decode_running": [],
+        }
+
+    def start_ticks(self: Simulation) -> None:
+        t0 = self.reqs[0].arrival_s
+        if self.cfg.needs_telemetry:
+            self.push(t0, E_TELEMETRY, None)
+        if self.cfg.fluidrole:
+            self.push(t0 + self.policy.decision_interval_s, E_CONTROL, None)
+        self.push(t0, E_SAMPLE, None)
+
+    # -------------------------------------------------------------- telemetry
+    def decode_signals(self: Simulation, d: SimWorker, n_peers: int) -> DecodePressure:
+        load = DecodeLoad(
+            d.num_blocks * self.cfg.block_size,
+            d.active_tokens(),
+            d.reserved_blocks * self.cfg.block_size,
+            d.running,
+        )
+        return decode_pressure(
+            load, self.profile, self.policy, max(1, n_peers), max_batch=self.cfg.max_num_seqs
+        )
+
+    def steal_allowance(self: Simulation, d: SimWorker) -> int:
+        """DecodeRole's re-check at admission: its steal budget computed now."""
+        if d.role != DECODE:
+            return 0
+        n_peers = sum(1 for w in self.workers if w.role == PREFILL)
+        return int(self.decode_signals(d, n_peers).steal_budget_tokens)
+
+    def on_telemetry(self: Simulation) -> None:
+        now = self.now
+        cfg = self.cfg
+        window = cfg.policy_queue_window
+        n_peers = sum(1 for w in self.workers if w.role == PREFILL)
+        for w in self.workers:
+            w.sent_since = 0
+            w.queue_len_tel = w.queue_len()
+            w.free_blocks_tel = w.free_blocks
+            w.running_tel = w.running
+            if w.role == DECODE:
+                sig = self.decode_signals(w, n_peers)
+                w.dpi_load, w.dpi_adm, w.ppi = sig.dpi_load, sig.dpi_adm, 0.0
+                self.budgets[w.wid] = StealBudget(float(int(sig.steal_budget_tokens)), now)
+                if cfg.fluidrole:
+                    self.ppi_windows.forget(w.wid)
+                continue
+            self.budgets.pop(w.wid, None)
+            cur = w.current
+            running_s = self.profile.prefill_time_s(cur.prompt) if cur is not None else 0.0
+            if w.queue or running_s:
+                view = [r.qview for r in islice(w.queue, window)]
+                w.ppi = queue_ppi(
+                    view, self.profile, self.policy, now, running_remaining_s=running_s
+                )
+            else:
+                w.ppi = 0.0
+            if cfg.fluidrole:
+                self.ppi_windows.add(w.wid, now, w.ppi)
+        if self.remaining:
+            self.push(now + cfg.telemetry_interval_s, E_TELEMETRY, None)
+
+    def on_sample(self: Simulation) -> None:
+        s = self.series
+        s["t_s"].append(self.now)
+        s["prefill_queue"].append(
+            float(sum(w.queue_len() for w in self.workers if w.role == PREFILL))
+        )
+        s["prefill_workers"].append(float(sum(1 for w in self.workers if w.role == PREFILL)))
+        s["decode_running"].append(
+            float(sum(w.running for w in self.workers if w.role == DECODE))
+        )
+        s["stolen_tokens_per_s"].append(self.stolen_since_sample / self.cfg.sample_interval_s)
+        self.stolen_since_sample = 0
+        if self.remaining:
+            self.push(self.now + self.cfg.sample_interval_s, E_SAMPLE, None)
+
+    # ------------------------------------------------------------- controller
+    def on_control(self: Simulation) -> None:
+        now = self.now
+        bs = self.cfg.block_size
+        views = []
+        for w in self.workers:
+            views.append(
+                WorkerView(
+                    worker_id=w.wid,
+                    role=w.role,
+                    state=w.state,
+                    ppi_p95=(self.ppi_windows.p95(w.wid, now) or 0.0) if w.role == PREFILL
+                    else 0.0,
+                    dpi_load=w.dpi_load,
+                    dpi_adm=w.dpi_adm,
+                    active_decode_requests=w.running_tel,
+                    kv_active_tokens=(w.num_blocks - w.free_blocks_tel) * bs,
+                    running_prefill_tokens=w.current.prompt if w.current is not None else 0,
+                    queue_len=w.queue_len_tel,
+                )
+            )
+        decision = self.role_policy.decide(ClusterSnapshot(tuple(views)), now)
+        if decision.switches and decision.worker_id and decision.target_role:
+            worker = next(w for w in self.workers if w.wid == decision.worker_id)
+            self.start_switch(worker, decision.target_role)
+        if self.remaining:
+            self.push(now + self.policy.decision_interval_s, E_CONTROL, None)
+
+    # ---------------------------------------------------------------- switching
+    def start_switch(self: Simulation, w: SimWorker, target: str) -> None:
+        """Active(role) → Drain (worker/switch.py ``_run``). Mutates workers and queues."""
+        now = self.now
+        w.state = DRAIN
+        w.target_role = target
+        w.switch_epoch += 1
+        w.drain_started_s = now
+        self.push(now + self.cfg.drain_timeout_s, E_DRAIN_TIMEOUT, w, w.switch_epoch)
+        if w.role == PREFILL:
+            jobs = list(w.queue)
+            w.queue.clear()
+            targets = [x for x in self.workers if x is not w and x.is_active(PREFILL)]
+            for i, r in enumerate(jobs):
+                t = targets[i % len(targets)]
+                r.pw = t.index
+                t.queue.append(r)
+            for t in targets:
+                if t.current is None and t.queue:
+                    self.prefill_next(t)
+        else:
+            w.admitting = False
+            if self.cfg.migrate_on_drain and not w.busy:
+                self.migrate_all(w)
+        self.check_drain(w)
+
+    def check_drain(self: Simulation, w: SimWorker) -> None:
+        """Drain → Switch once the role's in-flight work (and the link) is done."""
+        if w.state != DRAIN:
+            return
+        if w.role == PREFILL:
+            drained = w.current is None and not w.queue
+        else:
+            drained = w.requests == 0
+        if not drained:
+            return
+        if w.link_free_s > self.now:
+            self.push(w.link_free_s, E_DRAIN_CHECK, w)
+            return
+        w.state = SWITCH
+        self.push(self.now + self.cfg.switch_overhead_s, E_SWITCH_DONE, w, w.switch_epoch)
+
+    def on_switch_done(self: Simulation, w: SimWorker, epoch: int) -> None:
+        if w.state != SWITCH or epoch != w.switch_epoch:
+            return
+        old = w.role
+        w.role = w.target_role
+        w.state = ACTIVE
+        w.admitting = True
+        w.ppi = w.dpi_load = w.dpi_adm = 0.0
+        self.switches.append(
+            {
+                "t_s": round(self.now, 3),
+                "worker": w.wid,
+                "from": old,
+                "to": w.role,
+                "drain_s": round(self.now - w.drain_started_s - self.cfg.switch_overhead_s, 4),
+            }
+        )
+        if w.role == DECODE and w.pending:  # cannot happen (a prefill had no decodes)
+            self.start_iter(w)
+
+    def on_drain_timeout(self: Simulation, w: SimWorker, epoch: int) -> None:
+        if w.state == DRAIN and epoch == w.switch_epoch:
+            w.state = ACTIVE  # switch cancelled: back to Active in the old role
+            w.admitting = True
+            self.switches.append(
+                {"t_s": round(self.now, 3), "worker": w.wid, "cancelled": True, "role": w.role}
+            )
+
+    # ---------------------------------------------------------------- migration
+    def migrate_all(self: Simulation, d: SimWorker) -> None:
+        """Move every running decode of draining ``d`` to a peer (at an iteration boundary).
+        A request stays when no Active decode peer has room for it."""
+        movers = [*d.batch_members(), *d.pending]
+        if not movers:
+            return
+        peers = [x for x in self.workers if x is not d and x.is_active(DECODE)]
+        for r in movers:
+            fits = [
+                p for p in peers
+                if p.free_blocks >= r.blocks and p.requests < self.cfg.max_num_seqs
+            ]
+            if not fits:
+                continue
+            t = max(fits, key=lambda p: (p.free_blocks, -p.index))
+            if r in d.pending:
+                d.pending.remove(r)
+                d.pending_tokens -= r.ntok
+            else:
+                d.leave_batch(r)
+            d.release(r)
+            t.reserved_blocks += r.blocks
+            t.requests += 1
+            t.receiving += 1
+            r.dw = t.index
+            start = max(self.now, d.link_free_s)
+            arrive = start + self.cfg.kv_transfer_overhead_s + r.ntok * self._kv_s_per_token
+            d.link_free_s = arrive
+            self.push(arrive, E_MIGRATE_ARRIVE, t, r)
+            self.migrations += 1
+
+    def on_migrate_arrive(self: Simulation, t: SimWorker, r: SimRequest) -> None:
+        t.reserved_blocks -= r.blocks
+        t.held_blocks += r.blocks
+        t.receiving -= 1
+        t.pending.append(r)
+        t.pending_tokens += r.ntok
+        if not t.busy:
+            self.start_iter(t)
