@@ -74,8 +74,15 @@ def prompt_ids(index: int, length: int, vocab_size: int, skip: int = 4) -> list[
     return [rng.randrange(skip, vocab_size) for _ in range(length)]
 
 
-async def _one(session: aiohttp.ClientSession, url: str, model: str, rec: RequestRecord,
-               vocab_size: int, t0: float, timeout_s: float) -> None:
+async def _one(
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    rec: RequestRecord,
+    vocab_size: int,
+    t0: float,
+    timeout_s: float,
+) -> None:
     body = {
         "model": model,
         "prompt": prompt_ids(rec.index, rec.prompt_tokens, vocab_size),
@@ -88,8 +95,9 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, rec: Reques
     rec.sent_s = time.monotonic() - t0
     wall_t0 = time.time() - (time.monotonic() - t0)  # wall clock of the run start
     try:
-        async with session.post(f"{url}/v1/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+        async with session.post(
+            f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
             rec.status = resp.status
             if resp.status != 200:
                 rec.error = f"http {resp.status}: {(await resp.text())[:200]}"
@@ -119,12 +127,20 @@ async def _one(session: aiohttp.ClientSession, url: str, model: str, rec: Reques
         rec.first_token_s, rec.last_token_s = times[0], times[-1]
 
 
-async def run_open_loop(url: str, model: str, plan: Sequence[PlannedRequest], *,
-                        vocab_size: int, timeout_s: float = 600.0,
-                        progress: bool | None = None) -> list[RequestRecord]:
+async def run_open_loop(
+    url: str,
+    model: str,
+    plan: Sequence[PlannedRequest],
+    *,
+    vocab_size: int,
+    timeout_s: float = 600.0,
+    progress: bool | None = None,
+) -> list[RequestRecord]:
     """Send every planned request at its arrival time; return one record per request."""
-    records = [RequestRecord(i, p.label, p.arrival_s, p.prompt_tokens, p.output_tokens)
-               for i, p in enumerate(plan)]
+    records = [
+        RequestRecord(i, p.label, p.arrival_s, p.prompt_tokens, p.output_tokens)
+        for i, p in enumerate(plan)
+    ]
     show = sys.stderr.isatty() if progress is None else progress
     done = 0
     connector = aiohttp.TCPConnector(limit=0)
@@ -135,8 +151,9 @@ async def run_open_loop(url: str, model: str, plan: Sequence[PlannedRequest], *,
             delay = rec.arrival_s - (time.monotonic() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)  # the arrival schedule itself, not a sync
-            tasks.append(asyncio.ensure_future(
-                _one(session, url, model, rec, vocab_size, t0, timeout_s)))
+            tasks.append(
+                asyncio.ensure_future(_one(session, url, model, rec, vocab_size, t0, timeout_s))
+            )
         for fut in asyncio.as_completed(tasks):
             await fut
             done += 1
@@ -147,8 +164,9 @@ async def run_open_loop(url: str, model: str, plan: Sequence[PlannedRequest], *,
     return records
 
 
-def summarize(records: Sequence[RequestRecord], slo_ttft_ms: float,
-              slo_tpot_ms: float) -> dict[str, Any]:
+def summarize(
+    records: Sequence[RequestRecord], slo_ttft_ms: float, slo_tpot_ms: float
+) -> dict[str, Any]:
     """Attainment fractions over all requests (an errored request misses both SLOs)."""
     n = len(records)
     ok = [r for r in records if r.error is None and r.ttft_s is not None]
@@ -180,6 +198,8 @@ def validate_server_times(records: Sequence[RequestRecord], sample: int = 20) ->
     for rec in [r for r in records if r.server_token_times_s and r.chunk_times_s][:sample]:
         gaps.append((rec.chunk_times_s[-1] - rec.server_token_times_s[-1]) * 1e3)
     gaps.sort()
-    return {"sampled": len(gaps),
-            "last_token_client_minus_server_ms_p50": gaps[len(gaps) // 2] if gaps else None,
-            "max_ms": gaps[-1] if gaps else None}
+    return {
+        "sampled": len(gaps),
+        "last_token_client_minus_server_ms_p50": gaps[len(gaps) // 2] if gaps else None,
+        "max_ms": gaps[-1] if gaps else None,
+    }

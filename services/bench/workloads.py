@@ -97,11 +97,22 @@ def load_trace(source: str) -> list[TraceRequest]:
 
 
 def _window(
-    trace: list[TraceRequest], origin_s: float, start_s: float, window_s: float, index: int
+    trace: list[TraceRequest],
+    origin_s: float,
+    start_s: float,
+    window_s: float,
+    index: int,
+    allow_empty: bool = False,
 ) -> list[TraceRequest]:
     lo, hi = origin_s + start_s, origin_s + start_s + window_s
+    if trace and hi > trace[-1].arrival_s + 1.0:
+        # A window running past the trace's end would silently hold fewer requests.
+        raise WorkloadError(
+            f"window [{start_s}, {start_s + window_s}) s runs past the end of the "
+            f"{trace[0].source} trace ({trace[-1].arrival_s - origin_s:.0f} s)"
+        )
     picked = [replace(r, window=index) for r in trace if lo <= r.arrival_s < hi]
-    if not picked:
+    if not picked and not allow_empty:
         raise WorkloadError(
             f"no {trace[0].source if trace else ''} requests in [{start_s}, {start_s + window_s}) "
             "s of the trace; lower trace_offset_s or window_s"
@@ -164,9 +175,11 @@ def build_workload(
     else:
         origin = min(traces[CODE][0].arrival_s, traces[CONVERSATION][0].arrival_s)
         merged = [
-            *_window(traces[CONVERSATION], origin, trace_offset_s, window_s, 0),
-            *_window(traces[CODE], origin, trace_offset_s, window_s, 0),
+            *_window(traces[CONVERSATION], origin, trace_offset_s, window_s, 0, True),
+            *_window(traces[CODE], origin, trace_offset_s, window_s, 0, True),
         ]
+        if not merged:
+            raise WorkloadError(f"no requests in [{trace_offset_s}, +{window_s}) s")
         # Interleave by real arrival; ties keep conversation first (deterministic).
         merged.sort(key=lambda r: r.arrival_s)
         if requests is not None:
@@ -176,7 +189,8 @@ def build_workload(
         out = [replace(r, arrival_s=r.arrival_s * time_scale) for r in out]
     if max_prompt_tokens is not None:
         out = [
-            replace(r, prompt_tokens=max_prompt_tokens) if r.prompt_tokens > max_prompt_tokens
+            replace(r, prompt_tokens=max_prompt_tokens)
+            if r.prompt_tokens > max_prompt_tokens
             else r
             for r in out
         ]

@@ -31,8 +31,7 @@ import heapq
 import time
 from collections.abc import Sequence
 from itertools import islice
-
-from services.sim.results import SimResult
+from typing import cast
 
 from services.bench.workloads import TraceRequest
 from services.sim.config import SimConfig
@@ -51,6 +50,7 @@ from services.sim.events import (
     E_SWITCH_DONE,
     E_TELEMETRY,
 )
+from services.sim.results import SimResult
 from services.sim.router import SimRouter
 from services.sim.workers import SimRequest, SimWorker, initial_workers
 from shared.policy.fluidrole import DECODE, PREFILL
@@ -141,8 +141,8 @@ class Simulation(ControlPlane):
                 self.on_switch_done(a, b)  # type: ignore[arg-type]
             elif kind == E_DRAIN_TIMEOUT:
                 self.on_drain_timeout(a, b)  # type: ignore[arg-type]
-        if self.remaining:
-            raise SimulationError(f"{self.remaining} requests never completed")
+        if self.remaining != 0:  # < 0: some request completed twice
+            raise SimulationError(f"{self.remaining} requests left open (negative: twice done)")
         return SimResult.from_simulation(self, time.perf_counter() - started)
 
     # ---------------------------------------------------------------- arrivals
@@ -156,8 +156,7 @@ class Simulation(ControlPlane):
             return
         p = self.router.pick(PREFILL)
         d = self.router.pick(DECODE)
-        r.pw, r.dw = p.index, d.index
-        r.qview = QueuedRequest(f"r{r.idx}", r.arrival_s, r.prompt, d.wid)
+        r.pw, r.dw, r.decode_id = p.index, d.index, d.wid
         p.queue.append(r)
         if p.current is None:
             self.prefill_next(p)
@@ -188,15 +187,15 @@ class Simulation(ControlPlane):
         d = self.workers[r.dw]
         if not (d.role == DECODE and d.state == "active"):
             d = self.router.pick(DECODE)  # re-pair (module doc: deviation)
-            r.dw = d.index
-            r.qview = QueuedRequest(f"r{r.idx}", r.arrival_s, r.prompt, d.wid)
+            r.dw, r.decode_id = d.index, d.wid
         if first:
             r.give_up_s = now + max(cfg.admit_timeout_s, r.arrival_s + self.policy.ttft_s - now)
             sfx = 0
             if cfg.fluidtoken and self.budgets:
-                view = [r.qview]
-                view.extend(q.qview for q in islice(w.queue, cfg.policy_queue_window - 1))
-                plan = select_steal_ratios(view, self.budgets, self.profile, self.policy, now)
+                view = [r, *islice(w.queue, cfg.policy_queue_window - 1)]
+                plan = select_steal_ratios(
+                    cast("list[QueuedRequest]", view), self.budgets, self.profile, self.policy, now
+                )
                 sfx = min(plan.stolen_tokens.get(0, 0), r.prompt - 1)
             r.planned_suffix = sfx
         if not d.admitting:
@@ -242,6 +241,8 @@ class Simulation(ControlPlane):
         d.reserved_blocks -= r.blocks
         d.held_blocks += r.blocks
         d.receiving -= 1
+        if r.suffix == 0 and self.cfg.first_token_via_decode:
+            r.t_first = self.now
         if r.suffix:
             r.sfx_done = 0
             d.suffixes.append(r)

@@ -51,12 +51,16 @@ class SimConfig:
     # KV transfer (modelling choice): one link per source worker, transfers serialised on it.
     kv_bandwidth_bytes_per_s: float = 25e9  # ~NVLink-class per-GPU bandwidth
     kv_transfer_overhead_s: float = 0.0  # fixed per transfer (envelope, validation, RTT)
+    # Where an unsplit request's first token is delivered. False = the real worker: the
+    # prefill worker streams it right after the prefill (TTFT excludes the KV transfer).
+    # True = SGLang-style: it reaches the client with the decode side, after the transfer.
+    first_token_via_decode: bool = False
     # FluidRole in the worker (switch.py): drain bound and the in-place flip itself.
     drain_timeout_s: float = 60.0
     switch_overhead_s: float = 0.05  # re-slice + route update after the drain (design goal)
     migrate_on_drain: bool = False  # D→P: move running decodes to peers (KV over the link)
     # Simulator bounds (speed), see cluster.py.
-    policy_queue_window: int = 512  # queued requests PPI/Algorithm 1 inspect
+    policy_queue_window: int = 256  # queued requests PPI/Algorithm 1 inspect
     sample_interval_s: float = 1.0  # time-series resolution
 
     def __post_init__(self) -> None:

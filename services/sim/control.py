@@ -27,7 +27,7 @@ queue from costing O(queue) per 20 ms tick.
 from __future__ import annotations
 
 from itertools import islice
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from services.sim.events import (
     E_CONTROL,
@@ -50,17 +50,40 @@ from shared.policy.fluidrole import (
     WorkerView,
 )
 from shared.policy.fluidtoken import StealBudget
-from shared.policy.pressure import DecodeLoad, DecodePressure, decode_pressure, queue_ppi
+from shared.policy.pressure import (
+    DecodeLoad,
+    DecodePressure,
+    QueuedRequest,
+    decode_pressure,
+    queue_ppi,
+)
 from shared.policy.window import KeyedWindows
 
 if TYPE_CHECKING:
-    from services.sim.cluster import Simulation
+    from services.sim.config import SimConfig
+    from shared.policy.config import PolicyConfig
+    from shared.policy.predictors import LatencyProfile
 
 
 class ControlPlane:
-    """Mixin of ``Simulation`` (shares its attributes)."""
+    """Mixin of ``Simulation`` (shares its attributes, declared here for the type checker)."""
 
-    def init_control(self: Simulation) -> None:
+    if TYPE_CHECKING:
+        cfg: SimConfig
+        profile: LatencyProfile
+        policy: PolicyConfig
+        workers: list[SimWorker]
+        reqs: list[SimRequest]
+        budgets: dict[str, StealBudget]
+        now: float
+        remaining: int
+        _kv_s_per_token: float
+
+        def push(self, t: float, kind: int, a: object, b: object = None) -> None: ...
+        def start_iter(self, d: SimWorker) -> None: ...
+        def prefill_next(self, w: SimWorker) -> None: ...
+
+    def init_control(self) -> None:
         self.role_policy = RolePolicy(self.policy)
         self.ppi_windows = KeyedWindows(self.policy.window_s)
         self.switches: list[dict[str, Any]] = []
@@ -74,7 +97,7 @@ class ControlPlane:
             "decode_running": [],
         }
 
-    def start_ticks(self: Simulation) -> None:
+    def start_ticks(self) -> None:
         t0 = self.reqs[0].arrival_s
         if self.cfg.needs_telemetry:
             self.push(t0, E_TELEMETRY, None)
@@ -83,7 +106,7 @@ class ControlPlane:
         self.push(t0, E_SAMPLE, None)
 
     # -------------------------------------------------------------- telemetry
-    def decode_signals(self: Simulation, d: SimWorker, n_peers: int) -> DecodePressure:
+    def decode_signals(self, d: SimWorker, n_peers: int) -> DecodePressure:
         load = DecodeLoad(
             d.num_blocks * self.cfg.block_size,
             d.active_tokens(),
@@ -94,14 +117,14 @@ class ControlPlane:
             load, self.profile, self.policy, max(1, n_peers), max_batch=self.cfg.max_num_seqs
         )
 
-    def steal_allowance(self: Simulation, d: SimWorker) -> int:
+    def steal_allowance(self, d: SimWorker) -> int:
         """DecodeRole's re-check at admission: its steal budget computed now."""
         if d.role != DECODE:
             return 0
         n_peers = sum(1 for w in self.workers if w.role == PREFILL)
         return int(self.decode_signals(d, n_peers).steal_budget_tokens)
 
-    def on_telemetry(self: Simulation) -> None:
+    def on_telemetry(self) -> None:
         now = self.now
         cfg = self.cfg
         window = cfg.policy_queue_window
@@ -122,7 +145,8 @@ class ControlPlane:
             cur = w.current
             running_s = self.profile.prefill_time_s(cur.prompt) if cur is not None else 0.0
             if w.queue or running_s:
-                view = [r.qview for r in islice(w.queue, window)]
+                # SimRequest has QueuedRequest's fields: the queue is read in place.
+                view = cast("list[QueuedRequest]", islice(w.queue, window))
                 w.ppi = queue_ppi(
                     view, self.profile, self.policy, now, running_remaining_s=running_s
                 )
@@ -133,23 +157,21 @@ class ControlPlane:
         if self.remaining:
             self.push(now + cfg.telemetry_interval_s, E_TELEMETRY, None)
 
-    def on_sample(self: Simulation) -> None:
+    def on_sample(self) -> None:
         s = self.series
         s["t_s"].append(self.now)
         s["prefill_queue"].append(
             float(sum(w.queue_len() for w in self.workers if w.role == PREFILL))
         )
         s["prefill_workers"].append(float(sum(1 for w in self.workers if w.role == PREFILL)))
-        s["decode_running"].append(
-            float(sum(w.running for w in self.workers if w.role == DECODE))
-        )
+        s["decode_running"].append(float(sum(w.running for w in self.workers if w.role == DECODE)))
         s["stolen_tokens_per_s"].append(self.stolen_since_sample / self.cfg.sample_interval_s)
         self.stolen_since_sample = 0
         if self.remaining:
             self.push(self.now + self.cfg.sample_interval_s, E_SAMPLE, None)
 
     # ------------------------------------------------------------- controller
-    def on_control(self: Simulation) -> None:
+    def on_control(self) -> None:
         now = self.now
         bs = self.cfg.block_size
         views = []
@@ -159,8 +181,7 @@ class ControlPlane:
                     worker_id=w.wid,
                     role=w.role,
                     state=w.state,
-                    ppi_p95=(self.ppi_windows.p95(w.wid, now) or 0.0) if w.role == PREFILL
-                    else 0.0,
+                    ppi_p95=(self.ppi_windows.p95(w.wid, now) or 0.0) if w.role == PREFILL else 0.0,
                     dpi_load=w.dpi_load,
                     dpi_adm=w.dpi_adm,
                     active_decode_requests=w.running_tel,
@@ -177,7 +198,7 @@ class ControlPlane:
             self.push(now + self.policy.decision_interval_s, E_CONTROL, None)
 
     # ---------------------------------------------------------------- switching
-    def start_switch(self: Simulation, w: SimWorker, target: str) -> None:
+    def start_switch(self, w: SimWorker, target: str) -> None:
         """Active(role) → Drain (worker/switch.py ``_run``). Mutates workers and queues."""
         now = self.now
         w.state = DRAIN
@@ -202,14 +223,11 @@ class ControlPlane:
                 self.migrate_all(w)
         self.check_drain(w)
 
-    def check_drain(self: Simulation, w: SimWorker) -> None:
+    def check_drain(self, w: SimWorker) -> None:
         """Drain → Switch once the role's in-flight work (and the link) is done."""
         if w.state != DRAIN:
             return
-        if w.role == PREFILL:
-            drained = w.current is None and not w.queue
-        else:
-            drained = w.requests == 0
+        drained = w.current is None and not w.queue if w.role == PREFILL else w.requests == 0
         if not drained:
             return
         if w.link_free_s > self.now:
@@ -218,7 +236,7 @@ class ControlPlane:
         w.state = SWITCH
         self.push(self.now + self.cfg.switch_overhead_s, E_SWITCH_DONE, w, w.switch_epoch)
 
-    def on_switch_done(self: Simulation, w: SimWorker, epoch: int) -> None:
+    def on_switch_done(self, w: SimWorker, epoch: int) -> None:
         if w.state != SWITCH or epoch != w.switch_epoch:
             return
         old = w.role
@@ -232,13 +250,15 @@ class ControlPlane:
                 "worker": w.wid,
                 "from": old,
                 "to": w.role,
-                "drain_s": round(self.now - w.drain_started_s - self.cfg.switch_overhead_s, 4),
+                "drain_s": round(
+                    max(0.0, self.now - w.drain_started_s - self.cfg.switch_overhead_s), 4
+                ),
             }
         )
         if w.role == DECODE and w.pending:  # cannot happen (a prefill had no decodes)
             self.start_iter(w)
 
-    def on_drain_timeout(self: Simulation, w: SimWorker, epoch: int) -> None:
+    def on_drain_timeout(self, w: SimWorker, epoch: int) -> None:
         if w.state == DRAIN and epoch == w.switch_epoch:
             w.state = ACTIVE  # switch cancelled: back to Active in the old role
             w.admitting = True
@@ -247,7 +267,7 @@ class ControlPlane:
             )
 
     # ---------------------------------------------------------------- migration
-    def migrate_all(self: Simulation, d: SimWorker) -> None:
+    def migrate_all(self, d: SimWorker) -> None:
         """Move every running decode of draining ``d`` to a peer (at an iteration boundary).
         A request stays when no Active decode peer has room for it."""
         movers = [*d.batch_members(), *d.pending]
@@ -256,8 +276,7 @@ class ControlPlane:
         peers = [x for x in self.workers if x is not d and x.is_active(DECODE)]
         for r in movers:
             fits = [
-                p for p in peers
-                if p.free_blocks >= r.blocks and p.requests < self.cfg.max_num_seqs
+                p for p in peers if p.free_blocks >= r.blocks and p.requests < self.cfg.max_num_seqs
             ]
             if not fits:
                 continue
@@ -278,7 +297,7 @@ class ControlPlane:
             self.push(arrive, E_MIGRATE_ARRIVE, t, r)
             self.migrations += 1
 
-    def on_migrate_arrive(self: Simulation, t: SimWorker, r: SimRequest) -> None:
+    def on_migrate_arrive(self, t: SimWorker, r: SimRequest) -> None:
         t.reserved_blocks -= r.blocks
         t.held_blocks += r.blocks
         t.receiving -= 1

@@ -18,7 +18,6 @@ import heapq
 from collections import deque
 
 from shared.policy.fluidrole import ACTIVE, DECODE, PREFILL
-from shared.policy.pressure import QueuedRequest
 
 
 class SimRequest:
@@ -27,6 +26,7 @@ class SimRequest:
     __slots__ = (
         "arrival_s",
         "blocks",
+        "decode_id",
         "done",
         "dw",
         "epoch",
@@ -42,8 +42,9 @@ class SimRequest:
         "planned_suffix",
         "prefix",
         "prompt",
+        "prompt_tokens",
         "pw",
-        "qview",
+        "request_id",
         "sfx_done",
         "source",
         "suffix",
@@ -63,7 +64,11 @@ class SimRequest:
         self.window = window
         self.pw = -1  # prefill worker index
         self.dw = -1  # decode worker index
-        self.qview: QueuedRequest | None = None  # the policy's view while queued
+        # The policy's view while queued: the fields of shared.policy's QueuedRequest, so
+        # queue_ppi and select_steal_ratios read the queue itself (no per-tick copies).
+        self.request_id = f"r{idx}"
+        self.prompt_tokens = prompt
+        self.decode_id = ""
         self.planned_suffix = 0
         self.give_up_s = 0.0
         self.blocks = 0  # KV blocks reserved/held on the decode worker
@@ -178,6 +183,7 @@ class SimWorker:
             for _, _, epoch, r in sorted(self.finish_heap)
             if r.epoch == epoch and r.dw == self.index and not r.done
         ]
+
 
 def initial_workers(n: int, n_prefill: int, num_blocks: int) -> list[SimWorker]:
     """Workers 0..n_prefill-1 start as prefill, the rest as decode."""

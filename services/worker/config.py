@@ -33,11 +33,13 @@ class WorkerConfig:
     num_threads: int = 0
     block_size: int = 16
     num_kv_blocks: int = 0
-    kv_cache_bytes: int = 256 * 1024 * 1024
+    kv_cache_bytes: int = 1024 * 1024 * 1024
     kv_zero_on_free: bool = False
     emulated_kv_bytes_per_token: int = 16
     time_scale: float = 1.0
     max_num_seqs: int = 64
+    # Decode tokens reserved at admission beyond the prompt; longer outputs grow as they go.
+    decode_reserve_tokens: int = 256
     prefill_batch_size: int = 1
     cluster_secret: str = field(default="", repr=False)
     heartbeat_s: float = 1.0

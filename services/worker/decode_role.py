@@ -71,6 +71,7 @@ class DecodeRole:
         transfer_timeout_s: float,
         max_num_seqs: int,
         prefill_chunk_tokens: int = 512,
+        decode_reserve_tokens: int = 256,
         suffix_budget: Callable[[str, int, bool], int] | None = None,
     ) -> None:
         self.engine = engine
@@ -82,6 +83,8 @@ class DecodeRole:
         self.transfer_timeout_s = transfer_timeout_s
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.decode_reserve_tokens = decode_reserve_tokens
+        self.capacity_failures_total = 0
         self._suffix_budget = suffix_budget
         self.chunk_budget: Callable[[], int] | None = None
         self.requests: dict[str, DecodeRequest] = {}
@@ -105,7 +108,10 @@ class DecodeRole:
 
     # ------------------------------------------------------------------ admission
     def _blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
-        total = min(prompt_len + max_tokens, self.engine.max_model_len)
+        """Blocks reserved at admission: the prompt plus a decode horizon. Longer outputs
+        grow their table while decoding (``_ensure_room``)."""
+        total = min(prompt_len + min(max_tokens, self.decode_reserve_tokens),
+                    self.engine.max_model_len)
         return self.bm.blocks_for_tokens(total)
 
     def admit(self, msg: AdmitRequest) -> AdmitReply:
@@ -329,6 +335,7 @@ class DecodeRole:
         steps: list[StepInput] = []
         specs: list[SampleSpec | None] = []
         reqs: list[DecodeRequest] = []
+        stalled: list[DecodeRequest] = []
         # Prompt-chunk tokens (stolen suffixes, local prompts) this iteration may carry: the
         # TPOT-safe suffix length (eq. 16) when the policy provides it.
         prefill_budget = max(
@@ -346,6 +353,9 @@ class DecodeRole:
                 prefill_budget -= len(chunk)
             else:
                 chunk = pending
+            if not self._ensure_room(req, seq.num_cached_tokens + len(chunk)):
+                stalled.append(req)
+                continue
             table = self.bm.block_table(req.request_id)
             steps.append(StepInput(req.request_id, chunk, seq.num_cached_tokens, table))
             done = seq.num_cached_tokens + len(chunk) == seq.num_tokens
@@ -353,7 +363,31 @@ class DecodeRole:
                 SampleSpec(seq.params, len(seq.output_token_ids), seq.seed) if done else None
             )
             reqs.append(req)
+        if stalled and not steps:
+            # Every runnable request needs a block and none is free: the pool cannot make
+            # progress. End the newest one clearly (its blocks free the others).
+            victim = max(stalled, key=lambda r: r.arrival_s)
+            self.capacity_failures_total += 1
+            log.warning("kv_pool_exhausted", request_id=victim.request_id,
+                        free_blocks=self.bm.num_free_blocks)
+            self.streamer.add(victim.tokens_subject, TokenItem(
+                request_id=victim.request_id, index=len(victim.seq.output_token_ids),
+                finish_reason="error", error="KV capacity exhausted while decoding",
+                error_code="kv_capacity_exhausted"))
+            self._finish(victim)
+            self._publish()
+            self.wakeup.set()
         return steps, specs, reqs
+
+    def _ensure_room(self, req: DecodeRequest, num_tokens: int) -> bool:
+        """Grow ``req``'s block table to hold ``num_tokens``; False if the pool is short."""
+        if self.bm.num_tokens(req.request_id) >= num_tokens:
+            return True
+        try:
+            self.bm.grow(req.request_id, num_tokens)
+        except NoFreeBlocksError:
+            return False
+        return True
 
     async def run(self) -> None:
         """The decode loop. Runs until cancelled."""

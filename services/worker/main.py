@@ -34,6 +34,11 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=int(env("FLUIDPD_THREADS", "0")))
     p.add_argument("--block-size", type=int, default=int(env("FLUIDPD_BLOCK_SIZE", "16")))
     p.add_argument("--num-kv-blocks", type=int, default=int(env("FLUIDPD_NUM_KV_BLOCKS", "0")))
+    p.add_argument("--kv-cache-mib", type=int, default=int(env("FLUIDPD_KV_CACHE_MIB", "1024")),
+                   help="KV arena size when --num-kv-blocks is 0")
+    p.add_argument("--decode-reserve-tokens", type=int,
+                   default=int(env("FLUIDPD_DECODE_RESERVE_TOKENS", "256")),
+                   help="decode tokens reserved at admission beyond the prompt")
     p.add_argument("--max-num-seqs", type=int, default=int(env("FLUIDPD_MAX_NUM_SEQS", "64")))
     p.add_argument("--time-scale", type=float, default=float(env("FLUIDPD_TIME_SCALE", "1.0")))
     p.add_argument("--heartbeat-s", type=float, default=float(env("FLUIDPD_HEARTBEAT_S", "1.0")))
@@ -95,6 +100,8 @@ def config_from_args(role: str, argv: list[str] | None) -> WorkerConfig:
         cluster_secret=os.environ.get("FLUIDPD_CLUSTER_SECRET", ""),
         log_json=a.log_json,
         metrics_port=a.metrics_port,
+        kv_cache_bytes=a.kv_cache_mib * 1024 * 1024,
+        decode_reserve_tokens=a.decode_reserve_tokens,
         metrics_host=a.metrics_host,
     )
 

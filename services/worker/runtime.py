@@ -123,6 +123,7 @@ class WorkerRuntime:
             self._request_flush,
             transfer_timeout_s=cfg.transfer_timeout_s,
             max_num_seqs=cfg.max_num_seqs,
+            decode_reserve_tokens=cfg.decode_reserve_tokens,
         )
         self.prefill = PrefillRole(
             cfg.worker_id,

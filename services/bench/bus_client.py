@@ -1,0 +1,187 @@
+"""A router stand-in for benchmarks: talks to workers over the bus only (no HTTP).
+
+``BenchBusClient`` submits ``PrefillRequest``s to a chosen prefill/decode pair and records,
+per request, every streamed token with its receive time (perf counter and wall clock) and
+its publisher; it also keeps the latest telemetry of each worker, every ``StateEvent`` and
+the registry (``RegistryWatcher``), and sends switch commands. Waiting is event-driven:
+``wait_until`` re-checks its predicate whenever a token batch, telemetry or state event
+arrives. Event-loop only; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from shared.bus import Bus
+from shared.bus.config import BusConfig
+from shared.bus.registry import RegistryWatcher
+from shared.messages import (
+    Ack,
+    CancelRequest,
+    PrefillRequest,
+    SamplingParams,
+    StateEvent,
+    Subjects,
+    SwitchCommand,
+    SwitchReply,
+    TokenBatch,
+    WorkerTelemetry,
+)
+
+
+@dataclass
+class StreamRecord:
+    """One request as the client saw it. Times: perf counter (``*_s``) and wall clock."""
+
+    request_id: str
+    sent_s: float
+    sent_wall_s: float
+    token_ids: list[int] = field(default_factory=list)
+    indices: list[int] = field(default_factory=list)
+    recv_s: list[float] = field(default_factory=list)
+    recv_wall_s: list[float] = field(default_factory=list)
+    publishers: list[str] = field(default_factory=list)
+    timestamps: dict[str, float] = field(default_factory=dict)
+    finish_reason: str | None = None
+    error: str | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(frozen=True)
+class ReceivedEvent:
+    recv_s: float
+    recv_wall_s: float
+    event: StateEvent
+
+
+class BenchBusClient:
+    """Use as ``async with BenchBusClient(nats_url) as c``."""
+
+    def __init__(self, nats_url: str, subject_prefix: str = "fluidpd") -> None:
+        self.subjects = Subjects(subject_prefix)
+        self.router_id = f"bench{uuid.uuid4().hex[:8]}"
+        self.bus = Bus(BusConfig.from_url(nats_url, name=self.router_id), self.subjects)
+        self.streams: dict[str, StreamRecord] = {}
+        self.telemetry: dict[str, WorkerTelemetry] = {}
+        self.events: list[ReceivedEvent] = []
+        self.watcher: RegistryWatcher | None = None
+        self._changed = asyncio.Event()
+
+    async def __aenter__(self) -> BenchBusClient:
+        await self.bus.start()
+        s = self.subjects
+        await self.bus.subscribe_stream(s.router_tokens(self.router_id), TokenBatch, self._on_batch)
+        await self.bus.subscribe_stream(s.telemetry_all(), WorkerTelemetry, self._on_telemetry)
+        await self.bus.subscribe_stream(s.events("*"), StateEvent, self._on_event)
+        self.watcher = RegistryWatcher(self.bus)
+        await self.watcher.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.watcher is not None:
+            await self.watcher.stop()
+        await self.bus.stop()
+
+    # ----------------------------------------------------------------------- inbound
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _on_batch(self, batch: TokenBatch) -> None:
+        now, wall = time.perf_counter(), time.time()
+        for item in batch.items:
+            st = self.streams.get(item.request_id)
+            if st is None or st.finish_reason is not None:
+                continue
+            for name, value in item.timestamps.items():
+                st.timestamps.setdefault(name, value)
+            for offset, tok in enumerate(item.token_ids):
+                st.indices.append(item.index + offset)
+                st.token_ids.append(tok)
+                st.recv_s.append(now)
+                st.recv_wall_s.append(wall)
+                st.publishers.append(batch.publisher_id)
+            if item.finish_reason is not None:
+                st.finish_reason, st.error = item.finish_reason, item.error
+                st.done.set()
+        self._notify()
+
+    async def _on_telemetry(self, msg: WorkerTelemetry) -> None:
+        self.telemetry[msg.publisher_id] = msg
+        self._notify()
+
+    async def _on_event(self, msg: StateEvent) -> None:
+        self.events.append(ReceivedEvent(time.perf_counter(), time.time(), msg))
+        self._notify()
+
+    # ---------------------------------------------------------------------- waiting
+    async def wait_until(self, predicate: Callable[[], bool], timeout_s: float) -> None:
+        """Return once ``predicate()`` holds (re-checked on every inbound message).
+        Raises TimeoutError."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("condition not met in time")
+            changed = self._changed
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except TimeoutError:
+                continue
+
+    async def wait_workers(self, ids: Sequence[str], timeout_s: float = 60.0) -> None:
+        """Wait until every id is registered Active. Raises TimeoutError."""
+        assert self.watcher is not None
+        want = set(ids)
+        await self.watcher.wait_until(
+            lambda w: want <= {r.worker_id for r in w.workers(state="active")}, timeout_s
+        )
+
+    async def result(self, rid: str, timeout_s: float) -> StreamRecord:
+        st = self.streams[rid]
+        await asyncio.wait_for(st.done.wait(), timeout_s)
+        return st
+
+    # ---------------------------------------------------------------------- outbound
+    async def submit(
+        self,
+        prefill_id: str,
+        decode_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        seed: int = 1,
+        ttft_budget_s: float = 30.0,
+    ) -> str:
+        """Send one greedy request (ignore_eos) to ``prefill_id`` paired with ``decode_id``.
+        Raises BusError when the worker does not take it."""
+        rid = uuid.uuid4().hex[:12]
+        now = time.time()
+        msg = PrefillRequest(
+            request_id=rid,
+            router_id=self.router_id,
+            prompt_token_ids=tuple(prompt),
+            sampling=SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, seed=seed, ignore_eos=True
+            ),
+            decode_worker_id=decode_id,
+            arrival_time_s=now,
+            ttft_deadline_s=now + ttft_budget_s,
+            tokens_subject=self.subjects.router_tokens(self.router_id),
+        )
+        self.streams[rid] = StreamRecord(rid, time.perf_counter(), now)
+        await self.bus.request(self.subjects.worker_prefill(prefill_id), msg, Ack, 5.0)
+        return rid
+
+    async def cancel(self, rid: str, worker_ids: Sequence[str]) -> None:
+        for wid in worker_ids:
+            await self.bus.publish(self.subjects.worker_cancel(wid), CancelRequest(request_id=rid))
+
+    async def switch(self, worker_id: str, role: str, timeout_s: float = 5.0) -> SwitchReply:
+        return await self.bus.request(
+            self.subjects.worker_switch(worker_id), SwitchCommand(role=role), SwitchReply, timeout_s
+        )

@@ -1,0 +1,394 @@
+"""``fluidpd bench serve`` (issue 4): what the router and the bus add per request and per token.
+
+Method. An emulated 1P1D cluster runs a latency profile written for this benchmark with
+known, fixed step times (prefill = c0 + c1·L with c0 = 5 ms, c1 = 1 µs/token; decode
+iteration = a0 = 5 ms whatever the batch and context), so the engine's share of every
+latency is known exactly. N sequential streaming requests then go
+
+* through the router (HTTP, ``/v1/completions``, ``fluidpd_timestamps``): TTFT overhead =
+  client TTFT − predicted prefill; per-token overhead = client inter-token gap − predicted
+  decode iteration (the first gap, which carries the KV hand-off, is reported apart);
+* straight over the bus (``BenchBusClient``, a router stand-in, no HTTP): the same figures,
+  which split the overhead into bus + workers vs router.
+
+Chunks merge tokens whose bytes are incomplete UTF-8 (the tiny tokenizer is byte-level), so
+the client maps every chunk back to the tokens it carries: the reference token ids come from
+the emulated engine in process (the ground truth every path must reproduce), detokenized
+the way the router does. A token is timed by the chunk that first shows its text; per-token
+gaps are taken between consecutive tokens that each show text at once.
+
+The emulated engine's own sleep overshoot (``EmulatedEngine.step`` alone, in process, vs
+its prediction) is measured too, so that overhead is not blamed on the engine. Last stdout
+line: one JSON object (see ``summary`` keys in ``main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from services.bench.bus_client import BenchBusClient
+from services.common.cluster import Cluster, ClusterSpec, pick_port
+from services.common.logging import configure_logging
+from shared.policy.predictors import LatencyProfile
+
+GOAL_TTFT_P99_MS = 2.0
+GOAL_PER_TOKEN_MS = 0.5
+PREFILL_C0_S = 0.005
+PREFILL_C1_S_PER_TOKEN = 1e-6
+DECODE_A0_S = 0.005
+SEED = 1234
+
+
+def bench_profile() -> LatencyProfile:
+    """Known, fixed step times: prefill 5 ms + 1 µs/token, decode 5 ms per iteration."""
+    return LatencyProfile(
+        model="tiny",
+        hardware="bench serve: fixed step times",
+        prefill_c1_s_per_token=PREFILL_C1_S_PER_TOKEN,
+        prefill_c0_s=PREFILL_C0_S,
+        suffix_s1_s_per_token=PREFILL_C1_S_PER_TOKEN,
+        suffix_attn_s_per_token_pair=0.0,
+        suffix_s0_s=0.001,
+        decode_ac_s_per_ctx_token=0.0,
+        decode_an_s_per_seq=0.0,
+        decode_a0_s=DECODE_A0_S,
+        kv_bytes_per_token=16,
+        kv_capacity_tokens=1 << 16,
+        max_context_tokens=1024,
+        derivation="written by fluidpd bench serve: constant step times, not a measurement",
+    )
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (ms values in, rounded ms out); None for no samples."""
+    if not values:
+        return None
+    xs = sorted(values)
+    return round(xs[min(len(xs) - 1, max(0, int(q * len(xs) + 0.999999) - 1))], 3)
+
+
+def prompt_of(index: int, length: int) -> list[int]:
+    return [4 + (index * 131 + i * 17) % 300 for i in range(length)]
+
+
+# ------------------------------------------------------------------------- engine alone
+def engine_overshoot(profile_path: str, prompt_tokens: int, iters: int) -> dict[str, Any]:
+    """``EmulatedEngine.step`` in process: measured − predicted (ms), prefill and decode."""
+    from shared.engine.batch import StepInput
+    from shared.engine.emulated import EmulatedConfig, EmulatedEngine
+    from shared.engine.engine import SampleSpec
+    from shared.sampling_params import SamplingParams
+
+    eng = EmulatedEngine.load(EmulatedConfig(model="tiny", profile_path=profile_path))
+    bm = eng.block_manager
+    spec = SampleSpec(SamplingParams(max_tokens=iters + 1), 0, SEED)
+    pre, dec = [], []
+    for k in range(iters):
+        bm.allocate("x", prompt_tokens + 2)
+        table = bm.block_table("x")
+        steps = [StepInput("x", prompt_of(k, prompt_tokens), 0, table)]
+        t0 = time.perf_counter()
+        eng.step(steps, [spec])
+        pre.append((time.perf_counter() - t0 - eng.predict_step_s(steps)) * 1e3)
+        steps = [StepInput("x", [42], prompt_tokens, table)]
+        t0 = time.perf_counter()
+        eng.step(steps, [spec])
+        dec.append((time.perf_counter() - t0 - eng.predict_step_s(steps)) * 1e3)
+        bm.free_sequence("x")
+    return {
+        "engine_prefill_overshoot_ms_p50": pct(pre, 0.5),
+        "engine_prefill_overshoot_ms_p99": pct(pre, 0.99),
+        "engine_decode_overshoot_ms_p50": pct(dec, 0.5),
+        "engine_decode_overshoot_ms_p99": pct(dec, 0.99),
+    }
+
+
+def reference_tokens(
+    profile_path: str, prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
+    """The emulated engine's greedy output for each prompt (seed ``SEED``), in process and
+    without its sleeps: the tokens every path must deliver."""
+    from shared.engine.emulated import EmulatedConfig, EmulatedEngine
+    from shared.engine.generate import generate
+    from shared.sampling_params import SamplingParams
+
+    eng = EmulatedEngine.load(
+        EmulatedConfig(model="tiny", profile_path=profile_path, time_scale=1e-6)
+    )
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=SEED)
+    return [o.token_ids for o in generate(eng, prompts, params)]  # type: ignore[arg-type]
+
+
+def visible_times(
+    tokenizer: Any, prompt: list[int], tokens: list[int], chunks: list[tuple[float, str]]
+) -> tuple[list[float | None], list[bool]] | None:
+    """Per token: the client time of the chunk that first shows its text, and whether the
+    token shows text by itself (not held back as incomplete UTF-8). None when the streamed
+    text differs from the reference."""
+    from shared.tokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, list(prompt))
+    cum: list[int] = []
+    total = 0
+    for tok in tokens:
+        total += len(detok.push(tok))
+        cum.append(total)
+    final = total + len(detok.flush())
+    if sum(len(text) for _, text in chunks) != final:
+        return None
+    own = [cum[i] > (cum[i - 1] if i else 0) for i in range(len(tokens))]
+    # need[i]: the text length at which token i's bytes are out (its own, or the next
+    # token's that completes them; the final flush for trailing incomplete bytes).
+    need = [final] * len(tokens)
+    nxt = final
+    for i in range(len(tokens) - 1, -1, -1):
+        if own[i]:
+            nxt = cum[i]
+        need[i] = nxt
+    out: list[float | None] = []
+    j, acc = 0, 0
+    for i in range(len(tokens)):
+        while j < len(chunks) and acc + len(chunks[j][1]) < need[i]:
+            acc += len(chunks[j][1])
+            j += 1
+        out.append(chunks[j][0] if j < len(chunks) and need[i] > 0 else None)
+    return out, own
+
+
+# ------------------------------------------------------------------------- router path
+async def router_request(
+    session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int
+) -> dict[str, Any]:
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": SEED,
+        "ignore_eos": True,
+        "stream": True,
+        "fluidpd_timestamps": True,
+    }
+    chunks: list[tuple[float, str]] = []
+    walls: list[float] = []
+    ext: dict[str, Any] = {}
+    sent_wall = time.time()
+    sent = time.perf_counter()
+    async with session.post(f"{url}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"router answered {resp.status}: {(await resp.text())[:200]}")
+        async for raw in resp.content:
+            now, now_wall = time.perf_counter(), time.time()
+            line = raw.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(f"stream error: {chunk['error']}")
+            text = chunk["choices"][0]["text"] if chunk.get("choices") else ""
+            chunks.append((now - sent, text))
+            walls.append(now_wall)
+            ext = chunk.get("fluidpd", ext)
+    return {"chunks": chunks, "walls": walls, "ext": ext, "sent_wall": sent_wall}
+
+
+async def run_router_path(
+    url: str, prompts: list[list[int]], refs: list[list[int]], max_tokens: int, warmup: int
+) -> dict[str, Any]:
+    from shared.tokenizer.models import load_tokenizer
+
+    tok = load_tokenizer("tiny")
+    prefill_ms = (PREFILL_C0_S + PREFILL_C1_S_PER_TOKEN * len(prompts[0])) * 1e3
+    iter_ms = DECODE_A0_S * 1e3
+    ttft, gaps, first_gap, pre_engine, post_engine, r2c, recv_gaps, in_worker = (
+        [] for _ in range(8)
+    )
+    mismatched = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+        for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
+            got = await router_request(session, url, prompt, max_tokens)
+            if i < warmup:
+                continue
+            mapped = visible_times(tok, prompt, ref, got["chunks"])
+            if mapped is None:
+                mismatched += 1
+                continue
+            vis, own = mapped
+            ttft.append(got["chunks"][0][0] * 1e3 - prefill_ms)
+            stamps = got["ext"].get("worker_timestamps", {})
+            recv = got["ext"].get("token_receive_s", [])
+            if "prefill_start_s" in stamps and "prefill_end_s" in stamps:
+                pre_engine.append((stamps["prefill_start_s"] - got["sent_wall"]) * 1e3)
+                post_engine.append((got["walls"][0] - stamps["prefill_end_s"]) * 1e3)
+                span_s = stamps["prefill_end_s"] - stamps["prefill_start_s"]
+                in_worker.append(span_s * 1e3 - prefill_ms)
+            if vis[1] is not None and vis[0] is not None and own[0] and own[1]:
+                first_gap.append((vis[1] - vis[0]) * 1e3 - iter_ms)
+            for k in range(2, len(ref)):
+                a, b = vis[k - 1], vis[k]
+                if own[k] and own[k - 1] and a is not None and b is not None:
+                    gaps.append((b - a) * 1e3 - iter_ms)
+            for k in range(2, len(recv)):
+                recv_gaps.append((recv[k] - recv[k - 1]) * 1e3 - iter_ms)
+            # Router -> client delivery of tokens that show text at once (same host clock).
+            walls = dict(zip((t for t, _ in got["chunks"]), got["walls"], strict=True))
+            for k in range(min(len(recv), len(ref))):
+                if own[k] and vis[k] is not None:
+                    r2c.append((walls[vis[k]] - recv[k]) * 1e3)
+    return {
+        "ttft_overhead_ms": ttft,
+        "per_token_overhead_ms": gaps,
+        "first_decode_gap_overhead_ms": first_gap,
+        "before_prefill_ms": pre_engine,
+        "after_prefill_ms": post_engine,
+        "worker_prefill_overshoot_ms": in_worker,
+        "router_to_client_ms": r2c,
+        "router_recv_per_token_overhead_ms": recv_gaps,
+        "mismatched": mismatched,
+    }
+
+
+# ---------------------------------------------------------------------------- bus path
+async def run_bus_path(
+    nats_url: str, prompts: list[list[int]], refs: list[list[int]], max_tokens: int, warmup: int
+) -> dict[str, Any]:
+    prefill_ms = (PREFILL_C0_S + PREFILL_C1_S_PER_TOKEN * len(prompts[0])) * 1e3
+    iter_ms = DECODE_A0_S * 1e3
+    ttft, gaps, first_gap = [], [], []
+    mismatched = 0
+    async with BenchBusClient(nats_url) as client:
+        await client.wait_workers(["p0", "d0"])
+        for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
+            rid = await client.submit("p0", "d0", prompt, max_tokens, seed=SEED)
+            st = await client.result(rid, timeout_s=60.0)
+            if i < warmup:
+                continue
+            if st.error is not None or st.token_ids != ref:
+                mismatched += 1
+                continue
+            t = [s - st.sent_s for s in st.recv_s]
+            ttft.append(t[0] * 1e3 - prefill_ms)
+            if len(t) > 1:
+                first_gap.append((t[1] - t[0]) * 1e3 - iter_ms)
+            gaps += [(t[k] - t[k - 1]) * 1e3 - iter_ms for k in range(2, len(t))]
+    return {
+        "ttft_overhead_ms": ttft,
+        "per_token_overhead_ms": gaps,
+        "first_decode_gap_overhead_ms": first_gap,
+        "mismatched": mismatched,
+    }
+
+
+# -------------------------------------------------------------------------------- main
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="fluidpd bench serve", description=__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=150, help="measured requests per path")
+    p.add_argument("--warmup", type=int, default=5, help="unmeasured requests first")
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--engine-iters", type=int, default=200, help="in-process engine steps")
+    p.add_argument("--quick", action="store_true", help="tiny run for smoke tests (< 30 s)")
+    p.add_argument("--log-dir", default="", help="keep the cluster's logs here")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.requests, a.warmup, a.output_tokens, a.engine_iters = 8, 2, 8, 20
+    if a.requests < 1 or a.output_tokens < 3 or a.prompt_tokens < 1:
+        p.error("need --requests >= 1, --output-tokens >= 3, --prompt-tokens >= 1")
+    return a
+
+
+def summarize(name: str, samples: list[float]) -> dict[str, float | None]:
+    return {f"{name}_p50": pct(samples, 0.5), f"{name}_p99": pct(samples, 0.99)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    configure_logging(service="bench", level=logging.WARNING)
+    tmp = Path(tempfile.mkdtemp(prefix="fluidpd-bench-serve-"))
+    profile_path = tmp / "profile.json"
+    bench_profile().save(profile_path)
+    n = a.warmup + a.requests
+    prompts = [prompt_of(i, a.prompt_tokens) for i in range(n)]
+    print(f"engine alone: {a.engine_iters} prefill + decode steps ...", file=sys.stderr)
+    overshoot = engine_overshoot(str(profile_path), a.prompt_tokens, a.engine_iters)
+    refs = reference_tokens(str(profile_path), prompts, a.output_tokens)
+    spec = ClusterSpec(
+        prefill=1,
+        decode=1,
+        model="tiny",
+        engine="emulated",
+        profile=str(profile_path),
+        port=pick_port(),
+        with_controller=False,
+        log_dir=Path(a.log_dir) if a.log_dir else tmp / "logs",
+        die_with_parent=True,
+    )
+    cluster = Cluster(spec)
+    try:
+        print("starting an emulated 1P1D cluster ...", file=sys.stderr)
+        cluster.start()
+        cluster.wait_ready(timeout_s=120)
+        print(f"router path: {n} requests ...", file=sys.stderr)
+        routed = asyncio.run(
+            run_router_path(cluster.router_url, prompts, refs, a.output_tokens, a.warmup)
+        )
+        print(f"bus path: {n} requests ...", file=sys.stderr)
+        bus = asyncio.run(run_bus_path(cluster.nats_url, prompts, refs, a.output_tokens, a.warmup))
+    finally:
+        cluster.stop()
+    out: dict[str, Any] = {"bench": "serve"}
+    for key in ("ttft_overhead_ms", "per_token_overhead_ms"):
+        out |= summarize(key, routed[key])
+        out |= summarize(f"bus_only_{key}", bus[key])
+    for key in (
+        "first_decode_gap_overhead_ms",
+        "before_prefill_ms",
+        "after_prefill_ms",
+        "worker_prefill_overshoot_ms",
+        "router_to_client_ms",
+        "router_recv_per_token_overhead_ms",
+    ):
+        out |= summarize(key, routed[key])
+    out |= summarize("bus_only_first_decode_gap_overhead_ms", bus["first_decode_gap_overhead_ms"])
+    p50 = out["ttft_overhead_ms_p50"]
+    bus_p50 = out["bus_only_ttft_overhead_ms_p50"]
+    out["router_ttft_share_ms_p50"] = (
+        round(p50 - bus_p50, 3) if p50 is not None and bus_p50 is not None else None
+    )
+    out |= overshoot
+    out |= {
+        "requests": a.requests,
+        "per_token_samples": len(routed["per_token_overhead_ms"]),
+        "bus_only_per_token_samples": len(bus["per_token_overhead_ms"]),
+        "mismatched_streams": routed["mismatched"] + bus["mismatched"],
+        "prompt_tokens": a.prompt_tokens,
+        "output_tokens": a.output_tokens,
+        "engine_prefill_ms": round(
+            (PREFILL_C0_S + PREFILL_C1_S_PER_TOKEN * a.prompt_tokens) * 1e3, 3
+        ),
+        "engine_decode_iter_ms": DECODE_A0_S * 1e3,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
+        "goal_ttft_p99_ms": GOAL_TTFT_P99_MS,
+        "goal_per_token_ms": GOAL_PER_TOKEN_MS,
+    }
+    ttft99, tok99 = out["ttft_overhead_ms_p99"], out["per_token_overhead_ms_p99"]
+    out["meets_ttft_goal"] = ttft99 is not None and ttft99 < GOAL_TTFT_P99_MS
+    out["meets_per_token_goal"] = tok99 is not None and tok99 < GOAL_PER_TOKEN_MS
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

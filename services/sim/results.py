@@ -1,0 +1,174 @@
+"""Per-request latencies, SLO attainment and time series of one simulated run.
+
+Paper definitions (§V-A): TTFT = first token time − arrival; TPOT = (last token time − first
+token time) / (output_tokens − 1) (0 for a one-token output); a request attains the TTFT
+(TPOT) SLO when its TTFT (TPOT) is at most the SLO, and the joint SLO when it attains both.
+A failed request (admission given up, prompt over the context) attains neither.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.sim.cluster import Simulation
+
+INF = math.inf
+
+
+@dataclass
+class SimResult:
+    """Outcome of one run (or, for the oracle, of several runs stitched by window)."""
+
+    label: str
+    arrival_s: list[float]
+    ttft_s: list[float]
+    tpot_s: list[float]
+    window: list[int]
+    source: list[str]
+    failed: list[bool]
+    switches: list[dict[str, Any]] = field(default_factory=list)
+    stolen_tokens: int = 0
+    split_requests: int = 0
+    refused_steals: int = 0
+    migrations: int = 0
+    series: dict[str, list[float]] = field(default_factory=dict)
+    sim_time_s: float = 0.0
+    wall_s: float = 0.0
+    events: int = 0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_simulation(cls, sim: Simulation, wall_s: float) -> SimResult:
+        ttft, tpot = [], []
+        for r in sim.reqs:
+            if r.failed or r.t_first < 0:
+                ttft.append(INF)
+                tpot.append(INF)
+                continue
+            ttft.append(r.t_first - r.arrival_s)
+            tpot.append((r.t_last - r.t_first) / (r.output - 1) if r.output > 1 else 0.0)
+        return cls(
+            label=sim.label,
+            arrival_s=[r.arrival_s for r in sim.reqs],
+            ttft_s=ttft,
+            tpot_s=tpot,
+            window=[r.window for r in sim.reqs],
+            source=[r.source for r in sim.reqs],
+            failed=[r.failed for r in sim.reqs],
+            switches=list(sim.switches),
+            stolen_tokens=sim.stolen_tokens,
+            split_requests=sim.split_requests,
+            refused_steals=sim.refused_steals,
+            migrations=sim.migrations,
+            series=sim.series,
+            sim_time_s=sim.now,
+            wall_s=wall_s,
+            events=sim.events,
+        )
+
+    @property
+    def count(self) -> int:
+        return len(self.ttft_s)
+
+    def attainment(
+        self, ttft_slo_s: float, tpot_slo_s: float, window: int | None = None
+    ) -> dict[str, float | int]:
+        """Fractions (0..1) of requests (of ``window`` only, if given) meeting each SLO."""
+        n = ok_t = ok_p = ok_j = failed = 0
+        for i, ttft in enumerate(self.ttft_s):
+            if window is not None and self.window[i] != window:
+                continue
+            n += 1
+            a = ttft <= ttft_slo_s
+            b = self.tpot_s[i] <= tpot_slo_s
+            ok_t += a
+            ok_p += b
+            ok_j += a and b
+            failed += self.failed[i]
+        if n == 0:
+            return {
+                "requests": 0,
+                "ttft_attainment": 0.0,
+                "tpot_attainment": 0.0,
+                "joint_attainment": 0.0,
+                "failed": 0,
+            }
+        return {
+            "requests": n,
+            "ttft_attainment": ok_t / n,
+            "tpot_attainment": ok_p / n,
+            "joint_attainment": ok_j / n,
+            "failed": failed,
+        }
+
+    def windows(self) -> list[int]:
+        return sorted(set(self.window))
+
+    def p95_ttft_per_s(self) -> tuple[list[int], list[float]]:
+        """p95 TTFT (s; inf for failed) of the requests arriving in each whole second."""
+        buckets: dict[int, list[float]] = {}
+        for arr, ttft in zip(self.arrival_s, self.ttft_s, strict=True):
+            buckets.setdefault(int(arr), []).append(ttft)
+        secs = sorted(buckets)
+        out = []
+        for s in secs:
+            vals = sorted(buckets[s])
+            out.append(vals[max(0, math.ceil(0.95 * len(vals)) - 1)])
+        return secs, out
+
+    def summary(self, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, Any]:
+        """Overall and per-window attainment plus the mechanism counters (JSON-ready)."""
+        out: dict[str, Any] = dict(self.attainment(ttft_slo_s, tpot_slo_s))
+        out["per_window"] = {
+            str(w): self.attainment(ttft_slo_s, tpot_slo_s, w) for w in self.windows()
+        }
+        out.update(
+            switches=sum(1 for s in self.switches if not s.get("cancelled")),
+            cancelled_switches=sum(1 for s in self.switches if s.get("cancelled")),
+            stolen_tokens=self.stolen_tokens,
+            split_requests=self.split_requests,
+            refused_steals=self.refused_steals,
+            migrations=self.migrations,
+            sim_time_s=round(self.sim_time_s, 3),
+            wall_s=round(self.wall_s, 3),
+            events=self.events,
+        )
+        if self.notes:
+            out["notes"] = self.notes
+        return out
+
+    def to_json_dict(self, ttft_slo_s: float, tpot_slo_s: float) -> dict[str, Any]:
+        """Summary, switch log and time series (per-second p95 TTFT in ms; inf → null)."""
+        secs, p95 = self.p95_ttft_per_s()
+        return {
+            "label": self.label,
+            "summary": self.summary(ttft_slo_s, tpot_slo_s),
+            "switch_log": self.switches,
+            "series": {
+                **{k: [round(v, 3) for v in vals] for k, vals in self.series.items()},
+                "p95_ttft_ms_by_arrival_s": {
+                    "t_s": secs,
+                    "p95_ttft_ms": [None if math.isinf(v) else round(v * 1e3, 1) for v in p95],
+                },
+            },
+        }
+
+
+def stitch(label: str, parts: list[SimResult], notes: dict[str, Any]) -> SimResult:
+    """One result from per-window runs (the oracle): requests concatenated in order."""
+    out = SimResult(label, [], [], [], [], [], [], notes=notes)
+    for p in parts:
+        out.arrival_s += p.arrival_s
+        out.ttft_s += p.ttft_s
+        out.tpot_s += p.tpot_s
+        out.window += p.window
+        out.source += p.source
+        out.failed += p.failed
+        out.stolen_tokens += p.stolen_tokens
+        out.sim_time_s = max(out.sim_time_s, p.sim_time_s)
+        out.wall_s += p.wall_s
+        out.events += p.events
+    return out
