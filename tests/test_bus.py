@@ -130,6 +130,31 @@ async def test_json_request_gets_json_reply_via_raw_wire(bus, nats_server_module
         )
 
 
+async def test_empty_status_request_from_cli_gets_json(bus, nats_server_module):
+    """`nats req fluidpd.controller.status ''`: an empty payload means {}."""
+    seen: list[StatusRequest] = []
+
+    async def on_status(req: StatusRequest) -> StatusReply:
+        seen.append(req)
+        return StatusReply(auto=True, time_s=1.5)
+
+    subject = SUBJECTS.controller_status() + uniq(".t")
+    await bus.serve(subject, StatusRequest, on_status)
+    await bus.flush()
+    raw = await asyncio.to_thread(
+        raw_request, nats_server_module.host, nats_server_module.port, subject, b"", 2.0
+    )
+    assert json.loads(raw) == {
+        "ok": True,
+        "auto": True,
+        "time_s": 1.5,
+        "workers": [],
+        "_t": "status_reply",
+        "_v": 1,
+    }
+    assert seen == [StatusRequest()]
+
+
 async def test_json_cancel_publish_reaches_handler(bus, nats_server_module):
     got: asyncio.Queue[CancelRequest] = asyncio.Queue()
 

@@ -32,15 +32,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import jsonschema
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from prometheus_client.parser import text_string_to_metric_families
 
-jsonschema = pytest.importorskip("jsonschema")
-from packaging.requirements import Requirement  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from tests.support.nats_server import NatsServer, free_port  # noqa: E402
-from tests.support.nats_wire import WireError, ping  # noqa: E402
+from tests.support.nats_server import NatsServer, free_port
+from tests.support.nats_wire import WireError, ping
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

@@ -605,6 +605,8 @@ def test_subjects():
     assert s.pattern("fluidpd.worker.w3.switch") == "worker.*.switch"
     assert s.pattern("fluidpd.telemetry.decode.d9") == "telemetry.decode.*"
     assert s.pattern("fluidpd.router.r1.tokens") == "router.*.tokens"
+    assert s.pattern(s.telemetry("*", "*")) == "telemetry.*.*"
+    assert s.pattern(s.telemetry_all()) == "telemetry.>"
     assert s.pattern("fluidpd.controller.status") == "controller.status"
     assert s.pattern("other.worker.w3.switch") == "other"
     assert s.pattern("fluidpd.worker.w3.bogus") == "other"

@@ -329,7 +329,7 @@ class Bus:
         counted and reported to ``on_gap(publisher_id, missing)``. A tracker may be passed
         in to share or inspect it."""
         nc = self.nc
-        label = self.subjects.pattern(subject.replace(">", "*"))
+        label = self.subjects.pattern(subject)
         seq_tracker = tracker or SequenceTracker()
 
         async def on_message(msg: Msg) -> None:

@@ -41,6 +41,22 @@ BUCKET_TTL_PERIODS = 3.0
 log = structlog.get_logger("fluidpd.registry")
 
 
+async def cancel_and_wait(tasks: list[asyncio.Task[None]], timeout_s: float = 5.0) -> None:
+    """Cancel ``tasks`` and wait for them to end, cancelling again while they run.
+
+    Python 3.11's asyncio.wait_for (used inside nats-py) can swallow a cancellation when
+    the awaited future completes at the same moment; a single cancel() is then lost.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = {t for t in tasks if not t.done()}
+    while pending and time.monotonic() < deadline:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.05)
+    if pending:
+        log.warning("registry.tasks_not_stopped", count=len(pending))
+
+
 @dataclass(frozen=True)
 class RegistryConfig:
     """Heartbeat period shared by workers and watchers (watchers use each record's own)."""
@@ -134,8 +150,7 @@ class WorkerRegistration:
         self._stopped = True
         self._bus.remove_reconnect_listener(self._on_reconnect)
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait([self._task])
         if not deregister:
             return
         async with self._lock:  # after any in-flight put, so the delete is the last write
@@ -157,7 +172,7 @@ class WorkerRegistration:
         # Fixed rate on the monotonic clock, so put latency does not stretch the period.
         period_s = self.config.heartbeat_s
         next_s = time.monotonic() + period_s
-        while True:
+        while not self._stopped:
             await asyncio.sleep(max(0.0, next_s - time.monotonic()))
             await self._put()
             next_s = max(next_s + period_s, time.monotonic())
@@ -217,6 +232,7 @@ class RegistryWatcher:
         self._entries: dict[str, _Entry] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._watch_task: asyncio.Task[None] | None = None
+        self._watch_generation = 0
         self._wakeup = asyncio.Event()
         self._ready = asyncio.Event()
         self._stopped = False
@@ -253,7 +269,9 @@ class RegistryWatcher:
     async def start(self, timeout_s: float = 10.0) -> None:
         """Start watching; returns once the initial snapshot is loaded. Raises TimeoutError."""
         self._bus.add_reconnect_listener(self._on_reconnect)
-        self._watch_task = asyncio.create_task(self._watch_loop(), name="registry-watch")
+        self._watch_task = asyncio.create_task(
+            self._watch_loop(self._watch_generation), name="registry-watch"
+        )
         self._tasks.append(asyncio.create_task(self._reap_loop(), name="registry-reap"))
         async with asyncio.timeout(timeout_s):
             await self._ready.wait()
@@ -263,20 +281,20 @@ class RegistryWatcher:
         if self._stopped:
             return
         self._stopped = True
+        self._wakeup.set()
         self._bus.remove_reconnect_listener(self._on_reconnect)
-        tasks = [*self._tasks, *([self._watch_task] if self._watch_task else [])]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait([*self._tasks, *([self._watch_task] if self._watch_task else [])])
 
     async def _on_reconnect(self) -> None:
         # The server may have restarted: its ephemeral consumers are gone. Watch anew.
         if self._stopped:
             return
+        self._watch_generation += 1
         if self._watch_task is not None:
-            self._watch_task.cancel()
-            await asyncio.gather(self._watch_task, return_exceptions=True)
-        self._watch_task = asyncio.create_task(self._watch_loop(), name="registry-watch")
+            await cancel_and_wait([self._watch_task])
+        self._watch_task = asyncio.create_task(
+            self._watch_loop(self._watch_generation), name="registry-watch"
+        )
 
     # --- internals ----------------------------------------------------------------------
     def _emit(self, change: RegistryChange) -> None:
@@ -328,14 +346,19 @@ class RegistryWatcher:
             self._emit(RegistryChange("updated", key, record))
         # else: a heartbeat only; last_seen_s was refreshed above, nothing to announce
 
-    async def _watch_loop(self) -> None:
-        while not self._stopped:
+    def _current(self, generation: int) -> bool:
+        return not self._stopped and generation == self._watch_generation
+
+    async def _watch_loop(self, generation: int) -> None:
+        while self._current(generation):
             watcher = None
             try:
                 kv = await open_bucket(self._bus, self.config)
                 watcher = await kv.watchall()
                 snapshot: set[str] | None = set()
                 async for entry in watcher:
+                    if not self._current(generation):
+                        return
                     if entry is None:  # end of the initial snapshot
                         if snapshot is not None:
                             for key in [k for k in self._entries if k not in snapshot]:
@@ -356,7 +379,7 @@ class RegistryWatcher:
                         await watcher.stop()
 
     async def _reap_loop(self) -> None:
-        while True:
+        while not self._stopped:
             now = time.monotonic()
             deadlines = {
                 key: e.last_seen_s + DEAD_AFTER_PERIODS * e.record.heartbeat_period_s

@@ -106,8 +106,10 @@ class Subjects:
                 return f"worker.*.{verb}"
             case ["router", _, "tokens"]:
                 return "router.*.tokens"
-            case ["telemetry", role, _] if role in ROLES:
+            case ["telemetry", role, _] if role in ROLES or role == WILDCARD:
                 return f"telemetry.{role}.*"
+            case ["telemetry", ">"]:
+                return "telemetry.>"
             case ["events", _]:
                 return "events.*"
             case ["controller", ("status" | "policy" | "decisions") as what]:

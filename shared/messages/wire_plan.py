@@ -257,7 +257,8 @@ def _plan(cls: type) -> _Plan:
                 enc_json=_compile_encoder(hint, True),
             )
         )
-    return _Plan(tuple(fields), frozenset(f.wire_name for f in fields), cls.WIRE_ARRAY)
+    as_array = bool(getattr(cls, "WIRE_ARRAY", False))
+    return _Plan(tuple(fields), frozenset(f.wire_name for f in fields), as_array)
 
 
 def _build(cls: type[M], data: Any, j: bool, nested: bool) -> M:
@@ -287,7 +288,7 @@ def _build(cls: type[M], data: Any, j: bool, nested: bool) -> M:
 
 
 def _validate(msg: Message) -> None:
-    for f in _plan(type(msg)).fields:
+    for f in _plan(cast(type, type(msg))).fields:
         try:
             f.conv(getattr(msg, f.name), False)
         except _Invalid as exc:
@@ -323,7 +324,7 @@ def validate(msg: Message) -> None:
 
 
 def _to_wire(msg: Message, cls: type, json_mode: bool, nested: bool) -> Any:
-    plan = _plan(cls)
+    plan = _plan(cast(type, cls))
     if nested and plan.as_array:
         encoders = [f.enc_json if json_mode else f.enc_msgpack for f in plan.fields]
         return [
