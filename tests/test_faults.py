@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
 import pytest
+import pytest_asyncio
 
+from services.common.cluster import Cluster
 from shared.messages import SwitchCommand, SwitchReply
 from tests.support.faults import (
     Disconnect,
@@ -31,13 +33,14 @@ from tests.support.faults import (
     prompt,
     serves_new_requests,
     sigkill,
+    spawn_worker,
     summarize_errors,
     wait_healthy,
 )
 from tests.support.nats_server import NatsServer
 from tests.support.workers import BusClient
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +102,6 @@ def _check(
     notes: str = "",
 ) -> None:
     row = table.add(case, outcomes, leaked, notes or summarize_errors(outcomes))
-    for o in outcomes:
-        print("OUTCOME", case, o)
     assert row.hung == 0, [o for o in outcomes if o.kind == "hung"]
     for o in outcomes:
         if o.kind == "failed":  # a clear error: an OpenAI error object with a code
@@ -109,142 +110,69 @@ def _check(
     assert [o.kind for o in new] == ["completed"] * len(new), new
 
 
-# ----------------------------------------------------------------------------- cases
-async def test_decode_killed_mid_decode(tmp_path: Path, table: FaultTable) -> None:
-    with fault_cluster(tmp_path, prefill=1, decode=2) as c:
-        async with BusClient(c.nats_url) as client, aiohttp.ClientSession() as s:
-            await client.wait_workers(["p0", "d0", "d1"])
-            futs = _launch(s, c.router_url, [(i, 256, 150, None) for i in range(6)])
-            await client.wait_telemetry(lambda t: "d0" in t and t["d0"].running >= 2, 15)
-            sigkill(c, "d0")
-            outcomes = list(await asyncio.gather(*futs))
-            leaked = await leaked_blocks(client, ["p0", "d1"])
-            await _gone(client, "d0")
-            new = await serves_new_requests(c.router_url)
-    _check(table, "decode worker SIGKILLed mid-decode", outcomes, leaked, new)
-    assert any(o.kind == "completed" for o in outcomes)  # d1's requests were not touched
-    assert any(o.error_code == "worker_lost" for o in outcomes)
-
-
-async def test_decode_killed_mid_transfer(tmp_path: Path, table: FaultTable) -> None:
-    # SIGSTOP d0 once it has reserved blocks for a request (the prefill of that request is
-    # still running on p0), let p0 reach the KV export, then SIGKILL d0: the sender is
-    # blocked mid-transfer toward a dead peer and must give up at its deadline.
-    with fault_cluster(tmp_path, prefill=1, decode=2) as c:
-        async with BusClient(c.nats_url) as client, aiohttp.ClientSession() as s:
-            await client.wait_workers(["p0", "d0", "d1"])
-            futs = _launch(s, c.router_url, [(i, 8000, 40, None) for i in range(4)])
-            await client.wait_telemetry(
-                lambda t: "d0" in t and t["d0"].free_blocks < t["d0"].total_blocks, 15
-            )
-            c.kill_worker("d0", signal.SIGSTOP)
-            await asyncio.sleep(1.0)  # fault timing: p0 finishes the 8000-token prefill
-            sigkill(c, "d0")
-            outcomes = list(await asyncio.gather(*futs))
-            leaked = await leaked_blocks(client, ["p0", "d1"])
-            await _gone(client, "d0")
-            new = await serves_new_requests(c.router_url)
-    _check(table, "decode worker SIGKILLed mid-transfer", outcomes, leaked, new)
-    assert any(o.kind == "failed" for o in outcomes)
-
-
-async def test_prefill_killed_with_queue(tmp_path: Path, table: FaultTable) -> None:
-    with fault_cluster(tmp_path, prefill=2, decode=1) as c:
-        async with BusClient(c.nats_url) as client, aiohttp.ClientSession() as s:
-            await client.wait_workers(["p0", "p1", "d0"])
-            futs = _launch(s, c.router_url, [(i, 4000, 30, None) for i in range(12)])
-            await client.wait_telemetry(lambda t: "p0" in t and t["p0"].queue_len >= 3, 15)
-            sigkill(c, "p0")
-            outcomes = list(await asyncio.gather(*futs))
-            leaked = await leaked_blocks(client, ["p1", "d0"])
-            await _gone(client, "p0")
-            new = await serves_new_requests(c.router_url)
-    _check(table, "prefill worker SIGKILLed with a queue", outcomes, leaked, new)
-    assert any(o.error_code == "worker_lost" for o in outcomes)
-    assert any(o.kind == "completed" for o in outcomes)
-
-
-async def test_nats_restart_under_load(tmp_path: Path, table: FaultTable) -> None:
-    server = NatsServer(tmp_path / "js")
+# ----------------------------------------------------------------------------- cluster
+# One cluster (2P 2D on an external nats-server) goes through the cases in file order;
+# a case that kills a worker starts a replacement at once (it is ready by the next case).
+# The full-pool case has its own small-pool cluster.
+@pytest.fixture(scope="module")
+def nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path_factory.mktemp("faults-js"))
     server.start()
     try:
-        with fault_cluster(tmp_path / "logs", prefill=1, decode=1, nats_url=server.url) as c:
-            async with BusClient(c.nats_url) as client, aiohttp.ClientSession() as s:
-                await client.wait_workers(["p0", "d0"])
-                futs = []
-                for i in range(10):  # arrivals spread over the restart
-                    futs += _launch(s, c.router_url, [(i, 512, 100, None)])
-                    if i == 4:
-                        await asyncio.to_thread(server.restart)
-                    await asyncio.sleep(0.2)  # the arrival schedule, not a sync
-                outcomes = list(await asyncio.gather(*futs))
-                await client.wait_workers(["p0", "d0"], timeout_s=20)
-                await wait_healthy(c.router_url)
-                leaked = await leaked_blocks(client, ["p0", "d0"])
-                new = await serves_new_requests(c.router_url)
+        yield server
     finally:
         server.stop()
-    _check(table, "nats-server restarted under load", outcomes, leaked, new)
 
 
-async def test_full_kv_pool(tmp_path: Path, table: FaultTable) -> None:
-    # 64 blocks x 16 tokens per worker; each request needs 44 blocks: one at a time fits.
-    with fault_cluster(tmp_path, prefill=1, decode=2, num_kv_blocks=64) as c:
-        async with BusClient(c.nats_url) as client, aiohttp.ClientSession() as s:
-            await client.wait_workers(["p0", "d0", "d1"])
-            specs = [(i, 400, 250, None) for i in range(6)]
-            futs = _launch(s, c.router_url, specs, stream=False)
-            outcomes = list(await asyncio.gather(*futs))
-            leaked = await leaked_blocks(client, ["p0", "d0", "d1"])
-            alive = [w for w, ch in c.workers.items() if ch.is_running()]
-            new = await serves_new_requests(c.router_url)
-    _check(table, "full KV pool on every decode worker", outcomes, leaked, new)
-    assert alive == ["p0", "d0", "d1"], "a full pool must never crash a worker"
-    for o in outcomes:  # queued and served, or a 503 with Retry-After (or the router's 504)
-        assert o.kind in ("completed", "timed_out") or (o.status == 503 and o.retry_after), o
-    assert any(o.kind == "completed" for o in outcomes)
+@pytest.fixture(scope="module")
+def cluster(nats: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    logs = tmp_path_factory.mktemp("faults-logs")
+    with fault_cluster(logs, prefill=2, decode=2, nats_url=nats.url) as c:
+        yield c
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: prefill admission retries are head-of-line blocking and anchored on when a "
-    "job reaches the queue head (services/worker/prefill_role.py _admit give_up_s), and a "
-    "request larger than any decode KV pool is retried instead of refused: requests behind "
-    "a full pool wait for the router's request timeout instead of a prompt 503",
-)
-async def test_full_kv_pool_answers_promptly(tmp_path: Path) -> None:
-    # Every request needs 41 of the 64 blocks: one at a time fits. Each must be served or
-    # refused with 503 + Retry-After within TTFT budget (2 s) + admit timeout (5 s) + slack,
-    # and one larger than the whole pool (138 blocks) must be refused outright.
-    with fault_cluster(tmp_path, prefill=1, decode=1, num_kv_blocks=64) as c:
-        async with aiohttp.ClientSession() as s:
-            futs = _launch(s, c.router_url, [(i, 400, 250, None) for i in range(5)], stream=False)
-            futs += _launch(s, c.router_url, [(99, 200, 2000, None)], stream=False)
-            outcomes = list(await asyncio.gather(*futs))
-    for o in outcomes:
-        assert o.ended_s is not None and o.ended_s < 9.0, o
-        assert o.kind == "completed" or (o.status == 503 and o.retry_after), o
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def client(cluster: Cluster) -> AsyncIterator[BusClient]:
+    async with BusClient(cluster.nats_url) as c:
+        await c.wait_workers(["p0", "p1", "d0", "d1"])
+        yield c
 
 
-async def test_client_disconnects_at_every_stage(tmp_path: Path, table: FaultTable) -> None:
-    with fault_cluster(tmp_path, prefill=1, decode=1) as c:
-        async with BusClient(c.nats_url) as client, aiohttp.ClientSession() as s:
-            await client.wait_workers(["p0", "d0"])
-            stages = [
-                (1, 6000, 100, Disconnect(after_s=0.2)),  # prefilling (0.57 s prefill)
-                (2, 6000, 100, Disconnect(after_s=0.3)),  # queued behind it
-                (3, 6000, 100, Disconnect(after_s=0.3)),  # queued
-                (4, 6000, 100, Disconnect(after_tokens=1)),  # first token: KV in transfer
-                (5, 1000, 200, Disconnect(after_tokens=20)),  # decoding
-                (6, 1000, 50, None),  # completes
-            ]
-            futs = []
-            for spec in stages:  # in order: the prefill queue is FIFO
-                futs += _launch(s, c.router_url, [spec])
+def _active(client: BusClient, role: str) -> list[str]:
+    assert client.watcher is not None
+    return sorted(r.worker_id for r in client.watcher.workers(role=role, state="active"))
+
+
+async def _role_is(client: BusClient, worker_id: str, role: str) -> None:
+    assert client.watcher is not None
+    await client.watcher.wait_until(
+        lambda w: (r := w.get(worker_id)) is not None and (r.role, r.state) == (role, "active"),
+        20.0,
+    )
+
+
+# ----------------------------------------------------------------------------- cases
+async def test_client_disconnects_at_every_stage(
+    cluster: Cluster, client: BusClient, table: FaultTable
+) -> None:
+    # Round-robin pairing: consecutive requests alternate p0/p1, so each stage is sent
+    # twice (once per prefill worker); the prefill queues are FIFO.
+    stages = [
+        (6000, 100, Disconnect(after_s=0.2)),  # prefilling (0.57 s prefill)
+        (6000, 100, Disconnect(after_s=0.3)),  # queued behind it
+        (6000, 100, Disconnect(after_tokens=1)),  # first token: KV being exported
+        (1000, 200, Disconnect(after_tokens=20)),  # decoding
+        (1000, 50, None),  # completes
+    ]
+    async with aiohttp.ClientSession() as s:
+        futs = []
+        for i, (n, m, dis) in enumerate(stages):
+            for k in range(2):
+                futs += _launch(s, cluster.router_url, [(10 * i + k, n, m, dis)])
                 await asyncio.sleep(0.02)  # the arrival order, not a sync
-            outcomes = list(await asyncio.gather(*futs))
-            leaked = await leaked_blocks(client, ["p0", "d0"])
-            new = await serves_new_requests(c.router_url)
+        outcomes = list(await asyncio.gather(*futs))
+    leaked = await leaked_blocks(client, ["p0", "p1", "d0", "d1"])
+    new = await serves_new_requests(cluster.router_url)
     _check(
         table,
         "client disconnects (queued, prefilling, transferring, decoding)",
@@ -252,74 +180,182 @@ async def test_client_disconnects_at_every_stage(tmp_path: Path, table: FaultTab
         leaked,
         new,
     )
-    assert [o.kind for o in outcomes] == ["disconnected"] * 5 + ["completed"], outcomes
+    assert [o.kind for o in outcomes] == ["disconnected"] * 8 + ["completed"] * 2, outcomes
 
 
-async def test_stalled_transfer_hits_deadline(tmp_path: Path, table: FaultTable) -> None:
-    # The decode worker is SIGSTOPped after reserving blocks: it stops reading; the prefill
-    # worker's export must give up at its deadline (2 s), and after SIGCONT the decode
-    # worker must free the reservation and serve again.
-    with fault_cluster(tmp_path, prefill=1, decode=1) as c:
-        async with BusClient(c.nats_url) as client, aiohttp.ClientSession() as s:
-            await client.wait_workers(["p0", "d0"])
-            futs = _launch(s, c.router_url, [(7, 8000, 20, None)])
-            await client.wait_telemetry(
-                lambda t: "d0" in t and t["d0"].free_blocks < t["d0"].total_blocks, 15
-            )
-            c.kill_worker("d0", signal.SIGSTOP)
-            try:
-                outcomes = list(await asyncio.gather(*futs))
-            finally:
-                c.kill_worker("d0", signal.SIGCONT)
-            await client.wait_workers(["d0"], timeout_s=15)
-            leaked = await leaked_blocks(client, ["p0", "d0"])
-            await wait_healthy(c.router_url)
-            new = await serves_new_requests(c.router_url)
-    _check(table, "stalled transfer (decode SIGSTOPped)", outcomes, leaked, new)
-    assert outcomes[0].kind == "failed"
-    assert outcomes[0].ended_s is not None and outcomes[0].ended_s < 8.0, outcomes[0]
-
-
-async def test_switch_during_client_disconnects(tmp_path: Path, table: FaultTable) -> None:
-    with fault_cluster(tmp_path, prefill=2, decode=2) as c:
-        async with BusClient(c.nats_url) as client, aiohttp.ClientSession() as s:
-            await client.wait_workers(["p0", "p1", "d0", "d1"])
-            specs = [
-                (i, 3000, 100, Disconnect(after_s=0.1 + 0.25 * i) if i % 2 else None)
-                for i in range(10)
-            ]
-            futs = _launch(s, c.router_url, specs)
-            await client.wait_telemetry(lambda t: "p1" in t and t["p1"].queue_len >= 1, 15)
-            reply = await _switch(client, "p1", "decode")
-            assert reply.ok, reply
+async def test_stalled_transfer(cluster: Cluster, client: BusClient, table: FaultTable) -> None:
+    # d0 is SIGSTOPped right after reserving blocks for a request whose 8000-token prefill
+    # is still running: it stops reading. The request must end with a clear error (the
+    # heartbeat expiry or p0's export deadline, whichever comes first), p0's blocks must be
+    # freed by its 2 s export deadline, and after SIGCONT d0 must free its reservation,
+    # re-register and serve again.
+    async with aiohttp.ClientSession() as s:
+        futs = _launch(s, cluster.router_url, [(7, 8000, 20, None), (8, 8000, 20, None)])
+        await client.wait_telemetry(
+            lambda t: "d0" in t and t["d0"].free_blocks < t["d0"].total_blocks, 15
+        )
+        cluster.kill_worker("d0", signal.SIGSTOP)
+        try:
             outcomes = list(await asyncio.gather(*futs))
-            assert client.watcher is not None
-            await client.watcher.wait_until(
-                lambda w: (r := w.get("p1")) is not None and (r.role, r.state) == ("decode", "active"),
-                20.0,
-            )
-            leaked = await leaked_blocks(client, ["p0", "p1", "d0", "d1"])
-            new = await serves_new_requests(c.router_url, n=4)
+        finally:
+            cluster.kill_worker("d0", signal.SIGCONT)
+    await client.wait_workers(["d0"], timeout_s=15)
+    leaked = await leaked_blocks(client, ["p0", "p1", "d0", "d1"])
+    await wait_healthy(cluster.router_url)
+    new = await serves_new_requests(cluster.router_url, n=4)
+    _check(
+        table, "stalled transfer (decode worker SIGSTOPped, then SIGCONT)", outcomes, leaked, new
+    )
+    assert any(o.kind == "failed" for o in outcomes)
+    assert all(o.ended_s is not None and o.ended_s < 8.0 for o in outcomes), outcomes
+
+
+async def test_switch_during_client_disconnects(
+    cluster: Cluster, client: BusClient, table: FaultTable
+) -> None:
+    specs = [
+        (100 + i, 3000, 100, Disconnect(after_s=0.1 + 0.25 * i) if i % 2 else None)
+        for i in range(10)
+    ]
+    async with aiohttp.ClientSession() as s:
+        futs = _launch(s, cluster.router_url, specs)
+        await client.wait_telemetry(lambda t: "p1" in t and t["p1"].queue_len >= 1, 15)
+        reply = await _switch(client, "p1", "decode")
+        assert reply.ok, reply
+        outcomes = list(await asyncio.gather(*futs))
+    await _role_is(client, "p1", "decode")
+    leaked = await leaked_blocks(client, ["p0", "p1", "d0", "d1"])
+    new = await serves_new_requests(cluster.router_url, n=4)
     _check(table, "P->D switch during client disconnects", outcomes, leaked, new)
     assert [o.kind for o in outcomes[0::2]] == ["completed"] * 5, outcomes
+    # Back to 2P 2D for the next cases.
+    assert (await _switch(client, "p1", "prefill")).ok
+    await _role_is(client, "p1", "prefill")
 
 
-async def test_switch_while_worker_killed(tmp_path: Path, table: FaultTable) -> None:
-    with fault_cluster(tmp_path, prefill=2, decode=2) as c:
-        async with BusClient(c.nats_url) as client, aiohttp.ClientSession() as s:
-            await client.wait_workers(["p0", "p1", "d0", "d1"])
-            futs = _launch(s, c.router_url, [(i, 1500, 120, None) for i in range(8)])
-            await client.wait_telemetry(lambda t: "d0" in t and t["d0"].running >= 1, 15)
-            sigkill(c, "d0")
-            reply = await _switch(client, "p1", "decode")
-            assert reply.ok, reply
-            outcomes = list(await asyncio.gather(*futs))
-            await _gone(client, "d0")
-            assert client.watcher is not None
-            await client.watcher.wait_until(
-                lambda w: (r := w.get("p1")) is not None and (r.role, r.state) == ("decode", "active"),
-                20.0,
-            )
-            leaked = await leaked_blocks(client, ["p0", "p1", "d1"])
-            new = await serves_new_requests(c.router_url, n=4)
+async def test_nats_restart_under_load(
+    cluster: Cluster, client: BusClient, nats: NatsServer, table: FaultTable
+) -> None:
+    async with aiohttp.ClientSession() as s:
+        futs = []
+        for i in range(10):  # arrivals spread over the restart
+            futs += _launch(s, cluster.router_url, [(200 + i, 512, 100, None)])
+            if i == 4:
+                await asyncio.to_thread(nats.restart)
+            await asyncio.sleep(0.2)  # the arrival schedule, not a sync
+        outcomes = list(await asyncio.gather(*futs))
+    await client.wait_workers(["p0", "p1", "d0", "d1"], timeout_s=20)
+    await wait_healthy(cluster.router_url)
+    leaked = await leaked_blocks(client, ["p0", "p1", "d0", "d1"])
+    new = await serves_new_requests(cluster.router_url, n=4)
+    _check(table, "nats-server restarted under load", outcomes, leaked, new)
+    stalled = [o for o in outcomes if o.kind == "timed_out"]
+    if stalled:  # bounded only by the router's request timeout (600 s by default)
+        pytest.xfail(
+            f"bug: {len(stalled)} streams lost token batches across the NATS reconnect and "
+            "ended only at the router's request timeout (no gap detection on token streams)"
+        )
+
+
+async def test_decode_killed_mid_decode(
+    cluster: Cluster, client: BusClient, table: FaultTable
+) -> None:
+    async with aiohttp.ClientSession() as s:
+        futs = _launch(s, cluster.router_url, [(300 + i, 256, 150, None) for i in range(8)])
+        await client.wait_telemetry(lambda t: "d0" in t and t["d0"].running >= 2, 15)
+        sigkill(cluster, "d0")
+        spawn_worker(cluster, "d2", "decode")
+        outcomes = list(await asyncio.gather(*futs))
+    await _gone(client, "d0")
+    leaked = await leaked_blocks(client, ["p0", "p1", "d1"])
+    await client.wait_workers(["d2"], timeout_s=30)
+    new = await serves_new_requests(cluster.router_url, n=4)
+    _check(table, "decode worker SIGKILLed mid-decode", outcomes, leaked, new)
+    assert any(o.kind == "completed" for o in outcomes)  # d1's requests were not touched
+    assert any(o.error_code == "worker_lost" for o in outcomes)
+
+
+async def test_decode_killed_mid_transfer(
+    cluster: Cluster, client: BusClient, table: FaultTable
+) -> None:
+    # SIGSTOP d1 once it has reserved blocks (the request's prefill still runs), let the
+    # prefill worker reach the KV export, then SIGKILL d1: the sender is blocked toward a
+    # dead peer and must give up at its deadline, freeing its blocks.
+    async with aiohttp.ClientSession() as s:
+        futs = _launch(s, cluster.router_url, [(400 + i, 8000, 40, None) for i in range(6)])
+        await client.wait_telemetry(
+            lambda t: "d1" in t and t["d1"].free_blocks < t["d1"].total_blocks, 15
+        )
+        cluster.kill_worker("d1", signal.SIGSTOP)
+        await asyncio.sleep(1.0)  # fault timing: the 8000-token prefill (0.76 s) finishes
+        sigkill(cluster, "d1")
+        spawn_worker(cluster, "d3", "decode")
+        outcomes = list(await asyncio.gather(*futs))
+    await _gone(client, "d1")
+    leaked = await leaked_blocks(client, ["p0", "p1", "d2"])
+    await client.wait_workers(["d3"], timeout_s=30)
+    new = await serves_new_requests(cluster.router_url, n=4)
+    _check(table, "decode worker SIGKILLed mid-transfer", outcomes, leaked, new)
+    assert any(o.kind == "failed" for o in outcomes)
+
+
+async def test_prefill_killed_with_queue(
+    cluster: Cluster, client: BusClient, table: FaultTable
+) -> None:
+    async with aiohttp.ClientSession() as s:
+        futs = _launch(s, cluster.router_url, [(500 + i, 4000, 30, None) for i in range(12)])
+        await client.wait_telemetry(lambda t: "p0" in t and t["p0"].queue_len >= 3, 15)
+        sigkill(cluster, "p0")
+        spawn_worker(cluster, "p2", "prefill")
+        outcomes = list(await asyncio.gather(*futs))
+    await _gone(client, "p0")
+    leaked = await leaked_blocks(client, ["p1", "d2", "d3"])
+    await client.wait_workers(["p2"], timeout_s=30)
+    new = await serves_new_requests(cluster.router_url, n=4)
+    _check(table, "prefill worker SIGKILLed with a queue", outcomes, leaked, new)
+    assert any(o.error_code == "worker_lost" for o in outcomes)
+    assert any(o.kind == "completed" for o in outcomes)
+
+
+async def test_switch_while_worker_killed(
+    cluster: Cluster, client: BusClient, table: FaultTable
+) -> None:
+    async with aiohttp.ClientSession() as s:
+        futs = _launch(s, cluster.router_url, [(600 + i, 1500, 120, None) for i in range(8)])
+        await client.wait_telemetry(lambda t: "d2" in t and t["d2"].running >= 1, 15)
+        sigkill(cluster, "d2")
+        reply = await _switch(client, "p1", "decode")
+        assert reply.ok, reply
+        outcomes = list(await asyncio.gather(*futs))
+    await _gone(client, "d2")
+    await _role_is(client, "p1", "decode")
+    leaked = await leaked_blocks(client, ["p1", "p2", "d3"])
+    new = await serves_new_requests(cluster.router_url, n=4)
     _check(table, "P->D switch while a decode worker is SIGKILLed", outcomes, leaked, new)
+    assert _active(client, "prefill") == ["p2"] and _active(client, "decode") == ["d3", "p1"]
+
+
+async def test_full_kv_pool(tmp_path: Path, table: FaultTable) -> None:
+    # 64 blocks x 16 tokens per worker; each request needs 41 blocks: one at a time fits;
+    # the last one (138 blocks) can never fit.
+    with fault_cluster(tmp_path, prefill=1, decode=1, num_kv_blocks=64) as c:
+        async with BusClient(c.nats_url) as client, aiohttp.ClientSession() as s:
+            await client.wait_workers(["p0", "d0"])
+            specs = [(700 + i, 400, 250, None) for i in range(4)] + [(799, 200, 2000, None)]
+            futs = _launch(s, c.router_url, specs, stream=False)
+            outcomes = list(await asyncio.gather(*futs))
+            leaked = await leaked_blocks(client, ["p0", "d0"])
+            alive = [w for w, ch in c.workers.items() if ch.is_running()]
+            new = await serves_new_requests(c.router_url)
+    _check(table, "full KV pool on every decode worker", outcomes, leaked, new)
+    assert alive == ["p0", "d0"], "a full pool must never crash a worker"
+    for o in outcomes:  # queued and served, or a 503 with Retry-After (or the router's 504)
+        assert o.kind in ("completed", "timed_out") or (o.status == 503 and o.retry_after), o
+    assert any(o.kind == "completed" for o in outcomes)
+    slow = [o for o in outcomes if o.kind == "timed_out" or (o.ended_s or 0) > 9.0]
+    if slow:
+        pytest.xfail(
+            f"bug: {len(slow)} requests waited > TTFT budget + admit timeout for decode "
+            "capacity (prefill admission retries are head-of-line blocking; a request larger "
+            "than any decode pool is retried instead of refused)"
+        )

@@ -31,6 +31,7 @@ from shared.messages import (
     TokenBatch,
     WorkerTelemetry,
 )
+from shared.messages.common import Role
 
 
 @dataclass
@@ -181,7 +182,7 @@ class BenchBusClient:
         for wid in worker_ids:
             await self.bus.publish(self.subjects.worker_cancel(wid), CancelRequest(request_id=rid))
 
-    async def switch(self, worker_id: str, role: str, timeout_s: float = 5.0) -> SwitchReply:
+    async def switch(self, worker_id: str, role: Role, timeout_s: float = 5.0) -> SwitchReply:
         return await self.bus.request(
             self.subjects.worker_switch(worker_id), SwitchCommand(role=role), SwitchReply, timeout_s
         )

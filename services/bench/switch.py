@@ -44,6 +44,7 @@ from services.bench.bus_client import BenchBusClient
 from services.common.cluster import WORKER_READY, Cluster, ClusterSpec
 from services.common.logging import configure_logging
 from services.common.procs import ChildProcess
+from shared.messages.common import Role
 
 GOAL_P2D_OVERHEAD_MS = 100.0
 GOAL_D2P_MIGRATE_MS = 1000.0
@@ -78,7 +79,7 @@ def prompt_of(index: int, length: int) -> list[int]:
 
 # ------------------------------------------------------------------------ one switch
 async def switch_and_measure(
-    c: BenchBusClient, worker: str, to_role: str, timeout_s: float
+    c: BenchBusClient, worker: str, to_role: Role, timeout_s: float
 ) -> dict[str, Any]:
     """Send the command, wait for the ``active`` event, the registry and the telemetry with
     the new durations. Raises RuntimeError when the worker refuses or cancels the switch."""
@@ -99,8 +100,19 @@ async def switch_and_measure(
 
     await c.wait_until(lambda: active() is not None, timeout_s)
     done = active()
-    if done.event.role != to_role:
-        raise RuntimeError(f"switch of {worker} cancelled: {done.event.reason}")
+    observed_ms = round((done.recv_s - t_cmd) * 1e3, 3)
+    if done.event.role != to_role:  # the drain deadline passed: the worker stayed as it was
+        print(f"  switch of {worker} cancelled: {done.event.reason}", file=sys.stderr)
+        return {
+            **{k: 0.0 for k in PHASES},
+            "drain_ms": observed_ms,
+            "total_ms": observed_ms,
+            "command_to_active_ms": observed_ms,
+            "command_to_registry_ms": observed_ms,
+            "cancelled": 1,
+            "_t_cmd_wall": t_cmd_wall,
+            "_t_active_wall": done.recv_wall_s,
+        }
     await c.watcher.wait_until(
         lambda w: (r := w.get(worker)) is not None and r.role == to_role and r.state == "active",
         10.0,
@@ -112,8 +124,9 @@ async def switch_and_measure(
     m = c.telemetry[worker].metrics
     out = {k: round(m.get(f"switch_{k}", float("nan")), 3) for k in PHASES}
     out["total_ms"] = round(sum(out[k] for k in PHASES), 3)
-    out["command_to_active_ms"] = round((done.recv_s - t_cmd) * 1e3, 3)
+    out["command_to_active_ms"] = observed_ms
     out["command_to_registry_ms"] = round((t_registry - t_cmd) * 1e3, 3)
+    out["cancelled"] = 0
     out["_t_cmd_wall"] = t_cmd_wall
     out["_t_active_wall"] = done.recv_wall_s
     return out
@@ -220,6 +233,8 @@ async def run_engine(
                 runs.setdefault(f"{label}.d2p", []).append(
                     await d2p_under_load(c, s, worker, rng, workers)
                 )
+                if runs[f"{label}.d2p"][-1]["cancelled"]:
+                    continue  # still a decode worker: no P->D to measure
                 print(f"  {worker}: P->D under load ...", file=sys.stderr)
                 runs.setdefault(f"{label}.p2d", []).append(
                     await p2d_under_load(c, s, worker, workers)
@@ -237,7 +252,8 @@ def aggregate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"runs": len(rows)}
     for k in keys:
         vals = [r[k] for r in rows]
-        out[k] = round(statistics.median(vals), 3) if k not in ("errors",) else sum(vals)
+        summed = k in ("errors", "cancelled")
+        out[k] = sum(vals) if summed else round(statistics.median(vals), 3)
     out["total_ms_max"] = max(r["total_ms"] for r in rows)
     if "overhead_beyond_prefill_ms" in rows[0]:
         out["overhead_beyond_prefill_ms_max"] = max(r["overhead_beyond_prefill_ms"] for r in rows)
@@ -296,7 +312,7 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
         r[label]["p2d"]["overhead_beyond_prefill_ms_max"]
         for r in results.values()
         for label in ("migrate", "no_migrate")
-        if label in r
+        if "p2d" in r.get(label, {})
     ]
     paper = results.get("emulated", {}).get("migrate", {}).get("d2p", {})
     return {
@@ -305,7 +321,9 @@ def goals(results: dict[str, Any]) -> dict[str, Any]:
         "p2d_overhead_beyond_prefill_ms_max": max(p2d) if p2d else None,
         "d2p_migrate_total_ms_max_paper_scale": paper.get("total_ms_max"),
         "meets_p2d_goal": bool(p2d) and max(p2d) < GOAL_P2D_OVERHEAD_MS,
-        "meets_d2p_goal": bool(paper) and paper["total_ms_max"] < GOAL_D2P_MIGRATE_MS,
+        "meets_d2p_goal": bool(paper)
+        and paper["cancelled"] == 0
+        and paper["total_ms_max"] < GOAL_D2P_MIGRATE_MS,
     }
 
 

@@ -22,6 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m services.controller", description=__doc__)
     p.add_argument("--nats", default=env("FLUIDPD_NATS_URL", "nats://127.0.0.1:4222"))
+    p.add_argument("--nats-user", default=env("FLUIDPD_NATS_USER", ""))
+    p.add_argument("--nats-password", default=env("FLUIDPD_NATS_PASSWORD", ""))
+    p.add_argument("--nats-creds", default=env("FLUIDPD_NATS_CREDS", ""))
     p.add_argument("--subject-prefix", default=env("FLUIDPD_SUBJECT_PREFIX", "fluidpd"))
     p.add_argument(
         "--policy-config",
@@ -48,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--metrics-port", type=int, default=int(env("FLUIDPD_CONTROLLER_METRICS_PORT", "0"))
     )
+    p.add_argument("--metrics-host", default=env("FLUIDPD_CONTROLLER_METRICS_HOST", "127.0.0.1"))
     p.add_argument("--heartbeat-s", type=float, default=float(env("FLUIDPD_HEARTBEAT_S", "1.0")))
     p.add_argument("--log-json", action="store_true", default=env("FLUIDPD_LOG_JSON", "0") == "1")
     return p
@@ -63,6 +67,10 @@ def config_from_args(argv: list[str] | None) -> ControllerConfig:
         )
     cfg = ControllerConfig(
         nats_url=a.nats,
+        nats_user=a.nats_user,
+        nats_password=a.nats_password,
+        nats_creds=a.nats_creds,
+        metrics_host=a.metrics_host,
         subject_prefix=a.subject_prefix,
         policy=policy,
         auto=a.auto,

@@ -19,6 +19,9 @@ class ControllerConfig:
     """
 
     nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str = ""
+    nats_password: str = field(default="", repr=False)
+    nats_creds: str = ""
     subject_prefix: str = "fluidpd"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     auto: bool = True

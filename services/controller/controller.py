@@ -53,8 +53,15 @@ class Controller:
         self.policy = RolePolicy(config.policy)
         self.policy.paused = not config.auto
         self.book = WorkerBook(config.policy.window_s, config.telemetry_stale_s)
+        credentials: dict[str, Any] = {}
+        if config.nats_user:
+            credentials = {"user": config.nats_user, "password": config.nats_password}
+        elif config.nats_creds:
+            credentials = {"creds_file": config.nats_creds}
         self.bus = Bus(
-            BusConfig.from_url(config.nats_url, name=config.controller_id), self.subjects
+            BusConfig.from_url(config.nats_url, name=config.controller_id, **credentials),
+            self.subjects,
+            registry=self.metrics.registry,
         )
         self.watcher = RegistryWatcher(
             self.bus, RegistryConfig(heartbeat_s=config.heartbeat_s), on_change=self._on_change

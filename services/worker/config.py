@@ -28,6 +28,8 @@ class WorkerConfig:
     nats_tls_ca: str = ""
     subject_prefix: str = "fluidpd"
     engine: str = "torch"
+    device: str = "cpu"  # cpu | cuda | cuda:N (torch engine)
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (torch engine)
     model: str = "tiny"
     profile: str = ""
     num_threads: int = 0

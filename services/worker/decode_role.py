@@ -110,15 +110,16 @@ class DecodeRole:
     def _blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
         """Blocks reserved at admission: the prompt plus a decode horizon. Longer outputs
         grow their table while decoding (``_ensure_room``)."""
-        total = min(prompt_len + min(max_tokens, self.decode_reserve_tokens),
-                    self.engine.max_model_len)
+        total = min(
+            prompt_len + min(max_tokens, self.decode_reserve_tokens), self.engine.max_model_len
+        )
         return self.bm.blocks_for_tokens(total)
 
     def admit(self, msg: AdmitRequest) -> AdmitReply:
         """Reserve blocks for ``msg`` and post its KV receive. Never raises for capacity."""
         if not self.admitting:
             return AdmitReply(
-                ok=False, error="worker is not admitting decode work", retry_after_ms=50
+                ok=False, error="worker is not admitting decode work", retry_after_ms=0
             )
         if msg.request_id in self.requests:
             return AdmitReply(ok=False, error=f"request {msg.request_id} already admitted")
@@ -157,10 +158,7 @@ class DecodeRole:
         return AdmitReply(
             ok=True,
             transfer_id=ticket.transfer_id,
-            block_ids=ticket.block_ids,
-            generations=ticket.generations,
-            ucx_address=ticket.dst_address,
-            ticket=self.receiver.encode_ticket(ticket),
+            ticket=self.receiver.encode_ticket(ticket),  # block ids, generations, address
             suffix_len=suffix_len,
         )
 
@@ -252,10 +250,7 @@ class DecodeRole:
         return AdmitReply(
             ok=True,
             transfer_id=ticket.transfer_id,
-            block_ids=ticket.block_ids,
-            generations=ticket.generations,
-            ucx_address=ticket.dst_address,
-            ticket=self.receiver.encode_ticket(ticket),
+            ticket=self.receiver.encode_ticket(ticket),  # block ids, generations, address
         )
 
     async def freeze(self, request_id: str) -> DecodeRequest | None:
@@ -368,12 +363,21 @@ class DecodeRole:
             # progress. End the newest one clearly (its blocks free the others).
             victim = max(stalled, key=lambda r: r.arrival_s)
             self.capacity_failures_total += 1
-            log.warning("kv_pool_exhausted", request_id=victim.request_id,
-                        free_blocks=self.bm.num_free_blocks)
-            self.streamer.add(victim.tokens_subject, TokenItem(
-                request_id=victim.request_id, index=len(victim.seq.output_token_ids),
-                finish_reason="error", error="KV capacity exhausted while decoding",
-                error_code="kv_capacity_exhausted"))
+            log.warning(
+                "kv_pool_exhausted",
+                request_id=victim.request_id,
+                free_blocks=self.bm.num_free_blocks,
+            )
+            self.streamer.add(
+                victim.tokens_subject,
+                TokenItem(
+                    request_id=victim.request_id,
+                    index=len(victim.seq.output_token_ids),
+                    finish_reason="error",
+                    error="KV capacity exhausted while decoding",
+                    error_code="kv_capacity_exhausted",
+                ),
+            )
             self._finish(victim)
             self._publish()
             self.wakeup.set()

@@ -34,6 +34,8 @@ def build_engine(cfg: WorkerConfig) -> Any:
             block_size=cfg.block_size,
             num_kv_blocks=cfg.num_kv_blocks,
             kv_cache_bytes=cfg.kv_cache_bytes,
+            device=cfg.device,
+            dtype=cfg.dtype,
             max_num_seqs=cfg.max_num_seqs,
             num_threads=cfg.num_threads,
             kv_zero_on_free=cfg.kv_zero_on_free,

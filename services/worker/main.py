@@ -29,16 +29,29 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         "--engine", choices=("torch", "emulated"), default=env("FLUIDPD_ENGINE", "torch")
     )
     p.add_argument("--model", default=env("FLUIDPD_MODEL", "smollm2-135m"))
+    p.add_argument("--device", default=env("FLUIDPD_DEVICE", "cpu"), help="cpu | cuda | cuda:N")
+    p.add_argument(
+        "--dtype",
+        default=env("FLUIDPD_DTYPE", "float32"),
+        choices=("float32", "bfloat16", "float16"),
+    )
     p.add_argument("--profile", default=env("FLUIDPD_PROFILE", ""))
     p.add_argument("--policy-config", default=env("FLUIDPD_POLICY_CONFIG", ""))
     p.add_argument("--threads", type=int, default=int(env("FLUIDPD_THREADS", "0")))
     p.add_argument("--block-size", type=int, default=int(env("FLUIDPD_BLOCK_SIZE", "16")))
     p.add_argument("--num-kv-blocks", type=int, default=int(env("FLUIDPD_NUM_KV_BLOCKS", "0")))
-    p.add_argument("--kv-cache-mib", type=int, default=int(env("FLUIDPD_KV_CACHE_MIB", "1024")),
-                   help="KV arena size when --num-kv-blocks is 0")
-    p.add_argument("--decode-reserve-tokens", type=int,
-                   default=int(env("FLUIDPD_DECODE_RESERVE_TOKENS", "256")),
-                   help="decode tokens reserved at admission beyond the prompt")
+    p.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=int(env("FLUIDPD_KV_CACHE_MIB", "1024")),
+        help="KV arena size when --num-kv-blocks is 0",
+    )
+    p.add_argument(
+        "--decode-reserve-tokens",
+        type=int,
+        default=int(env("FLUIDPD_DECODE_RESERVE_TOKENS", "256")),
+        help="decode tokens reserved at admission beyond the prompt",
+    )
     p.add_argument("--max-num-seqs", type=int, default=int(env("FLUIDPD_MAX_NUM_SEQS", "64")))
     p.add_argument("--time-scale", type=float, default=float(env("FLUIDPD_TIME_SCALE", "1.0")))
     p.add_argument("--heartbeat-s", type=float, default=float(env("FLUIDPD_HEARTBEAT_S", "1.0")))
@@ -101,6 +114,8 @@ def config_from_args(role: str, argv: list[str] | None) -> WorkerConfig:
         log_json=a.log_json,
         metrics_port=a.metrics_port,
         kv_cache_bytes=a.kv_cache_mib * 1024 * 1024,
+        device=a.device,
+        dtype=a.dtype,
         decode_reserve_tokens=a.decode_reserve_tokens,
         metrics_host=a.metrics_host,
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable
@@ -92,6 +93,8 @@ class PrefillRole:
         self.admit_timeout_s = admit_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
         self.split_planner = split_planner
+        # Re-pairing: an Active decode worker to use instead of the given one (or None).
+        self.repair: Callable[[str], str | None] | None = None
         self.queue: deque[PrefillJob] = deque()
         self.jobs: dict[str, PrefillJob] = {}
         self.exports: set[asyncio.Task[None]] = set()
@@ -252,6 +255,14 @@ class PrefillRole:
                 return None
             if reply.ok:
                 return reply
+            if reply.retry_after_ms == 0 and self.repair is not None:
+                # The paired worker is draining or switched roles: pair with another one.
+                other = self.repair(msg.decode_worker_id)
+                if other is not None:
+                    msg = dataclasses.replace(msg, decode_worker_id=other)
+                    job.msg = msg
+                    subject = self.subjects.worker_admit(other)
+                    continue
             if reply.retry_after_ms is None or time.monotonic() > give_up_s:
                 self._fail(
                     job, f"decode worker has no capacity: {reply.error}", "kv_capacity_exhausted"

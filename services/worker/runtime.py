@@ -158,6 +158,7 @@ class WorkerRuntime:
         await self.bus.serve(
             s.worker_cancel(wid), CancelRequest, self._on_cancel, max_concurrency=64
         )
+        self.prefill.repair = self.pick_decode_worker
         self.switcher = RoleSwitcher(self, migrate=cfg.migrate)
         await self.bus.serve(s.worker_switch(wid), SwitchCommand, self.switcher.on_switch)
         await self.bus.serve(
@@ -239,7 +240,21 @@ class WorkerRuntime:
         return Ack()
 
     async def _on_admit(self, msg: AdmitRequest) -> AdmitReply:
+        if self.role != "decode" or self.state != "active":
+            # Not (or no longer) a decode worker: the prefill side re-pairs the request.
+            return AdmitReply(
+                ok=False, error=f"worker is {self.role}/{self.state}", retry_after_ms=0
+            )
         return self.decode.admit(msg)
+
+    def pick_decode_worker(self, current: str) -> str | None:
+        """An Active decode worker other than ``current`` (most KV blocks first), or None."""
+        candidates = [
+            r for r in self.watcher.workers(role="decode", state="active") if r.worker_id != current
+        ]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda r: r.kv_total_blocks).worker_id
 
     async def _on_migrate(self, msg: MigrateRequest) -> AdmitReply:
         if self.role != "decode" or self.state != "active":

@@ -155,11 +155,13 @@ class Telemetry:
     def _decode_load(self) -> DecodeLoad:
         dec = self.rt.decode
         bm = self.rt.engine.block_manager
+        capacity = bm.num_blocks * bm.block_size
         active_tokens = sum(r.seq.num_tokens for r in dec.runnable)
-        reserved_tokens = bm.num_reserved_blocks * bm.block_size
-        return DecodeLoad(
-            bm.num_blocks * bm.block_size, active_tokens, reserved_tokens, len(dec.runnable)
-        )
+        # C_reserved: everything held but not yet filled (pending transfers and the decode
+        # horizon installed requests hold), so that C_alloc (eq. 6) is exactly the free pool.
+        held_tokens = capacity - bm.num_free_blocks * bm.block_size
+        reserved_tokens = max(0, held_tokens - active_tokens)
+        return DecodeLoad(capacity, active_tokens, reserved_tokens, len(dec.runnable))
 
     def _refresh_decode(self) -> None:
         now = time.monotonic()

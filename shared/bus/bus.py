@@ -146,6 +146,7 @@ class Bus:
         if server_max and server_max < self.max_message_bytes:
             log.warning("bus.small_max_payload", max_payload_bytes=server_max)
             self.max_message_bytes = server_max
+        self.metrics.connected.set(1)
         log.info("bus.connected", name=cfg.name, max_payload_bytes=server_max)
 
     async def stop(self) -> None:
@@ -195,11 +196,13 @@ class Bus:
         return task
 
     async def _on_reconnected(self) -> None:
+        self.metrics.connected.set(1)
         log.info("bus.reconnected")
         for listener in list(self._listeners):
             self.spawn(listener())
 
     async def _on_disconnected(self) -> None:
+        self.metrics.connected.set(0)
         if not self._stopped:
             log.warning("bus.disconnected")
 

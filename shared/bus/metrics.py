@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -23,6 +23,7 @@ class BusMetrics:
     stream_gap_messages_total: Counter
     requests_total: Counter
     request_seconds: Histogram
+    connected: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> BusMetrics:
@@ -58,6 +59,11 @@ class BusMetrics:
                 "Round-trip time of bus requests",
                 ["subject"],
                 buckets=_LATENCY_BUCKETS_S,
+                registry=registry,
+            ),
+            connected=Gauge(
+                "fluidpd_bus_connected",
+                "1 while connected to NATS, 0 otherwise",
                 registry=registry,
             ),
         )

@@ -88,7 +88,7 @@ def spawn_worker(cluster: Cluster, worker_id: str, role: str) -> None:
     if spec.time_scale is not None:
         argv += ["--time-scale", str(spec.time_scale)]
     argv += ["--log-json"] if spec.log_json else []
-    cluster.workers[worker_id] = cluster._child(  # noqa: SLF001 - same spawn as start()
+    cluster.workers[worker_id] = cluster._child(  # same spawn as Cluster.start()
         worker_id, argv + list(spec.worker_args), WORKER_READY
     )
 
@@ -156,7 +156,9 @@ async def completion(
                 data = await resp.json()
                 out.tokens = int(data["usage"]["completion_tokens"])
                 finish = data["choices"][0]["finish_reason"]
-                out.kind = "completed" if finish == "length" and out.tokens == max_tokens else "failed"
+                out.kind = (
+                    "completed" if finish == "length" and out.tokens == max_tokens else "failed"
+                )
                 return
             seen = 0
             async for raw in resp.content:
@@ -178,10 +180,10 @@ async def completion(
                         out.first_token_s = time.monotonic() - t0
                     if choice.get("finish_reason") == "length":
                         out.kind = "completed"
-                if disconnect and disconnect.after_tokens is not None:
-                    if seen >= disconnect.after_tokens:
-                        out.kind = "disconnected"
-                        return  # leaving the context manager closes the connection
+                after = disconnect.after_tokens if disconnect else None
+                if after is not None and seen >= after:
+                    out.kind = "disconnected"
+                    return  # leaving the context manager closes the connection
             if out.kind == "completed" and out.tokens != max_tokens:
                 out.kind = "failed"
                 out.error = f"ended with {out.tokens} of {max_tokens} tokens"
