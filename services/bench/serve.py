@@ -273,7 +273,7 @@ async def run_bus_path(
 ) -> dict[str, Any]:
     prefill_ms = (PREFILL_C0_S + PREFILL_C1_S_PER_TOKEN * len(prompts[0])) * 1e3
     iter_ms = DECODE_A0_S * 1e3
-    ttft, gaps, first_gap = [], [], []
+    ttft, gaps, first_gap, pre_engine, post_engine = [], [], [], [], []
     mismatched = 0
     async with BenchBusClient(nats_url) as client:
         await client.wait_workers(["p0", "d0"])
@@ -290,10 +290,16 @@ async def run_bus_path(
             if len(t) > 1:
                 first_gap.append((t[1] - t[0]) * 1e3 - iter_ms)
             gaps += [(t[k] - t[k - 1]) * 1e3 - iter_ms for k in range(2, len(t))]
+            stamps = st.timestamps
+            if "prefill_start_s" in stamps and "prefill_end_s" in stamps:
+                pre_engine.append((stamps["prefill_start_s"] - st.sent_wall_s) * 1e3)
+                post_engine.append((st.recv_wall_s[0] - stamps["prefill_end_s"]) * 1e3)
     return {
         "ttft_overhead_ms": ttft,
         "per_token_overhead_ms": gaps,
         "first_decode_gap_overhead_ms": first_gap,
+        "before_prefill_ms": pre_engine,
+        "prefill_end_to_client_ms": post_engine,
         "mismatched": mismatched,
     }
 
@@ -301,7 +307,7 @@ async def run_bus_path(
 # -------------------------------------------------------------------------------- main
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="fluidpd bench serve", description=__doc__.split("\n")[0])
-    p.add_argument("--requests", type=int, default=150, help="measured requests per path")
+    p.add_argument("--requests", type=int, default=120, help="measured requests per path")
     p.add_argument("--warmup", type=int, default=5, help="unmeasured requests first")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=32)
@@ -368,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
         "router_recv_per_token_overhead_ms",
     ):
         out |= summarize(key, routed[key])
-    out |= summarize("bus_only_first_decode_gap_overhead_ms", bus["first_decode_gap_overhead_ms"])
+    for key in ("first_decode_gap_overhead_ms", "before_prefill_ms", "prefill_end_to_client_ms"):
+        out |= summarize(f"bus_only_{key}", bus[key])
     p50 = out["ttft_overhead_ms_p50"]
     bus_p50 = out["bus_only_ttft_overhead_ms_p50"]
     out["router_ttft_share_ms_p50"] = (

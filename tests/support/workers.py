@@ -165,7 +165,7 @@ class BusClient:
             tokens_subject=self.subjects.router_tokens(self.router_id),
             force_steal_ratio=steal_ratio,
         )
-        await self.bus.request(self.subjects.worker_prefill(prefill_id), msg, Ack, 5.0)
+        await self.bus.request(self.subjects.worker_prefill(prefill_id), msg, Ack, 30.0)
         return rid
 
     async def result(self, rid: str, timeout_s: float = 60.0) -> Result:
