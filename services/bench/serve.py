@@ -9,7 +9,9 @@ latency is known exactly. N sequential streaming requests then go
   client TTFT − predicted prefill; per-token overhead = client inter-token gap − predicted
   decode iteration (the first gap, which carries the KV hand-off, is reported apart);
 * straight over the bus (``BenchBusClient``, a router stand-in, no HTTP): the same figures,
-  which split the overhead into bus + workers vs router.
+  which split the overhead into bus + workers vs router. The two paths alternate request
+  by request, so both see the same machine load; ``router_minus_bus_ttft_ms`` is the
+  per-request difference.
 
 Chunks merge tokens whose bytes are incomplete UTF-8 (the tiny tokenizer is byte-level), so
 the client maps every chunk back to the tokens it carries: the reference token ids come from
@@ -40,12 +42,13 @@ import os
 import sys
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from services.bench.bus_client import BenchBusClient
+from services.bench.bus_client import BenchBusClient, StreamRecord
 from services.common.cluster import Cluster, ClusterSpec, pick_port
 from services.common.logging import configure_logging
 from shared.policy.predictors import LatencyProfile
@@ -209,99 +212,93 @@ async def router_request(
     return {"chunks": chunks, "walls": walls, "ext": ext, "sent_wall": sent_wall}
 
 
-async def run_router_path(
-    url: str, prompts: list[list[int]], refs: list[list[int]], max_tokens: int, warmup: int
-) -> dict[str, Any]:
+Samples = dict[str, list[float]]
+
+
+def router_samples(
+    out: Samples, tok: Any, prompt: list[int], ref: list[int], got: dict[str, Any]
+) -> bool:
+    """Add one routed request's figures to ``out``. False when its text was not exact."""
+    prefill_ms = (PREFILL_C0_S + PREFILL_C1_S_PER_TOKEN * len(prompt)) * 1e3
+    iter_ms = DECODE_A0_S * 1e3
+    mapped = visible_times(tok, prompt, ref, got["chunks"])
+    if mapped is None:
+        return False
+    vis, own = mapped
+    if own[0] and vis[0] is not None:  # else its bytes wait for the next token
+        out["ttft_overhead_ms"].append(vis[0] * 1e3 - prefill_ms)
+    stamps = got["ext"].get("worker_timestamps", {})
+    recv = got["ext"].get("token_receive_s", [])
+    if "prefill_start_s" in stamps and "prefill_end_s" in stamps and recv:
+        # One host, one wall clock: client -> prefill start; prefill end -> router.
+        out["before_prefill_ms"].append((stamps["prefill_start_s"] - got["sent_wall"]) * 1e3)
+        out["prefill_end_to_router_ms"].append((recv[0] - stamps["prefill_end_s"]) * 1e3)
+        span_s = stamps["prefill_end_s"] - stamps["prefill_start_s"]
+        out["worker_prefill_overshoot_ms"].append(span_s * 1e3 - prefill_ms)
+    if vis[1] is not None and vis[0] is not None and own[0] and own[1]:
+        out["first_decode_gap_overhead_ms"].append((vis[1] - vis[0]) * 1e3 - iter_ms)
+    for k in range(2, len(ref)):
+        a, b = vis[k - 1], vis[k]
+        if own[k] and own[k - 1] and a is not None and b is not None:
+            out["per_token_overhead_ms"].append((b - a) * 1e3 - iter_ms)
+    for k in range(2, len(recv)):
+        out["router_recv_per_token_overhead_ms"].append((recv[k] - recv[k - 1]) * 1e3 - iter_ms)
+    # Router -> client delivery of the tokens that show text at once.
+    walls = dict(zip((t for t, _ in got["chunks"]), got["walls"], strict=True))
+    for k in range(min(len(recv), len(ref))):
+        if own[k] and vis[k] is not None:
+            out["router_to_client_ms"].append((walls[vis[k]] - recv[k]) * 1e3)
+    return True
+
+
+def bus_samples(out: Samples, prompt: list[int], ref: list[int], st: StreamRecord) -> bool:
+    """Add one bus-path request's figures to ``out``. False when its tokens were not exact."""
+    if st.error is not None or st.token_ids != ref:
+        return False
+    prefill_ms = (PREFILL_C0_S + PREFILL_C1_S_PER_TOKEN * len(prompt)) * 1e3
+    iter_ms = DECODE_A0_S * 1e3
+    t = [s - st.sent_s for s in st.recv_s]
+    out["ttft_overhead_ms"].append(t[0] * 1e3 - prefill_ms)
+    if len(t) > 1:
+        out["first_decode_gap_overhead_ms"].append((t[1] - t[0]) * 1e3 - iter_ms)
+    out["per_token_overhead_ms"] += [(t[k] - t[k - 1]) * 1e3 - iter_ms for k in range(2, len(t))]
+    stamps = st.timestamps
+    if "prefill_start_s" in stamps and "prefill_end_s" in stamps:
+        out["before_prefill_ms"].append((stamps["prefill_start_s"] - st.sent_wall_s) * 1e3)
+        out["prefill_end_to_client_ms"].append((st.recv_wall_s[0] - stamps["prefill_end_s"]) * 1e3)
+    return True
+
+
+async def run_both_paths(
+    url: str, nats_url: str, prompts: list[list[int]], refs: list[list[int]], a: Any
+) -> tuple[Samples, Samples, int]:
+    """Request i goes through the router, then the same request over the bus: both paths
+    see the same machine load. Returns (router samples, bus samples, inexact streams)."""
     from shared.tokenizer.models import load_tokenizer
 
     tok = load_tokenizer("tiny")
-    prefill_ms = (PREFILL_C0_S + PREFILL_C1_S_PER_TOKEN * len(prompts[0])) * 1e3
-    iter_ms = DECODE_A0_S * 1e3
-    ttft, gaps, first_gap, pre_engine, post_engine, r2c, recv_gaps, in_worker = (
-        [] for _ in range(8)
-    )
-    mismatched = 0
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
-        for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
-            got = await router_request(session, url, prompt, max_tokens)
-            if i < warmup:
-                continue
-            mapped = visible_times(tok, prompt, ref, got["chunks"])
-            if mapped is None:
-                mismatched += 1
-                continue
-            vis, own = mapped
-            if own[0] and vis[0] is not None:  # else its bytes wait for the next token
-                ttft.append(vis[0] * 1e3 - prefill_ms)
-            stamps = got["ext"].get("worker_timestamps", {})
-            recv = got["ext"].get("token_receive_s", [])
-            if "prefill_start_s" in stamps and "prefill_end_s" in stamps and recv:
-                # Same host, same wall clock: client -> prefill start -> end -> router.
-                pre_engine.append((stamps["prefill_start_s"] - got["sent_wall"]) * 1e3)
-                post_engine.append((recv[0] - stamps["prefill_end_s"]) * 1e3)
-                span_s = stamps["prefill_end_s"] - stamps["prefill_start_s"]
-                in_worker.append(span_s * 1e3 - prefill_ms)
-            if vis[1] is not None and vis[0] is not None and own[0] and own[1]:
-                first_gap.append((vis[1] - vis[0]) * 1e3 - iter_ms)
-            for k in range(2, len(ref)):
-                a, b = vis[k - 1], vis[k]
-                if own[k] and own[k - 1] and a is not None and b is not None:
-                    gaps.append((b - a) * 1e3 - iter_ms)
-            for k in range(2, len(recv)):
-                recv_gaps.append((recv[k] - recv[k - 1]) * 1e3 - iter_ms)
-            # Router -> client delivery of tokens that show text at once (same host clock).
-            walls = dict(zip((t for t, _ in got["chunks"]), got["walls"], strict=True))
-            for k in range(min(len(recv), len(ref))):
-                if own[k] and vis[k] is not None:
-                    r2c.append((walls[vis[k]] - recv[k]) * 1e3)
-    return {
-        "ttft_overhead_ms": ttft,
-        "per_token_overhead_ms": gaps,
-        "first_decode_gap_overhead_ms": first_gap,
-        "before_prefill_ms": pre_engine,
-        "prefill_end_to_router_ms": post_engine,
-        "worker_prefill_overshoot_ms": in_worker,
-        "router_to_client_ms": r2c,
-        "router_recv_per_token_overhead_ms": recv_gaps,
-        "mismatched": mismatched,
-    }
-
-
-# ---------------------------------------------------------------------------- bus path
-async def run_bus_path(
-    nats_url: str, prompts: list[list[int]], refs: list[list[int]], max_tokens: int, warmup: int
-) -> dict[str, Any]:
-    prefill_ms = (PREFILL_C0_S + PREFILL_C1_S_PER_TOKEN * len(prompts[0])) * 1e3
-    iter_ms = DECODE_A0_S * 1e3
-    ttft, gaps, first_gap, pre_engine, post_engine = [], [], [], [], []
-    mismatched = 0
-    async with BenchBusClient(nats_url) as client:
+    routed: Samples = defaultdict(list)
+    bus: Samples = defaultdict(list)
+    bad = 0
+    connector = aiohttp.TCPConnector(limit=1)
+    async with (
+        aiohttp.ClientSession(connector=connector) as session,
+        BenchBusClient(nats_url) as client,
+    ):
         await client.wait_workers(["p0", "d0"])
         for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
-            rid = await client.submit("p0", "d0", prompt, max_tokens, seed=SEED)
+            got = await router_request(session, url, prompt, a.output_tokens)
+            rid = await client.submit("p0", "d0", prompt, a.output_tokens, seed=SEED)
             st = await client.result(rid, timeout_s=60.0)
-            if i < warmup:
+            if i < a.warmup:
                 continue
-            if st.error is not None or st.token_ids != ref:
-                mismatched += 1
-                continue
-            t = [s - st.sent_s for s in st.recv_s]
-            ttft.append(t[0] * 1e3 - prefill_ms)
-            if len(t) > 1:
-                first_gap.append((t[1] - t[0]) * 1e3 - iter_ms)
-            gaps += [(t[k] - t[k - 1]) * 1e3 - iter_ms for k in range(2, len(t))]
-            stamps = st.timestamps
-            if "prefill_start_s" in stamps and "prefill_end_s" in stamps:
-                pre_engine.append((stamps["prefill_start_s"] - st.sent_wall_s) * 1e3)
-                post_engine.append((st.recv_wall_s[0] - stamps["prefill_end_s"]) * 1e3)
-    return {
-        "ttft_overhead_ms": ttft,
-        "per_token_overhead_ms": gaps,
-        "first_decode_gap_overhead_ms": first_gap,
-        "before_prefill_ms": pre_engine,
-        "prefill_end_to_client_ms": post_engine,
-        "mismatched": mismatched,
-    }
+            n_routed, n_bus = len(routed["ttft_overhead_ms"]), len(bus["ttft_overhead_ms"])
+            bad += not router_samples(routed, tok, prompt, ref, got)
+            bad += not bus_samples(bus, prompt, ref, st)
+            if len(routed["ttft_overhead_ms"]) > n_routed and len(bus["ttft_overhead_ms"]) > n_bus:
+                diff = routed["ttft_overhead_ms"][-1] - bus["ttft_overhead_ms"][-1]
+                routed["router_minus_bus_ttft_ms"].append(diff)  # same request, same load
+    return routed, bus, bad
 
 
 # -------------------------------------------------------------------------------- main
@@ -353,12 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         print("starting an emulated 1P1D cluster ...", file=sys.stderr)
         cluster.start()
         cluster.wait_ready(timeout_s=120)
-        print(f"router path: {n} requests ...", file=sys.stderr)
-        routed = asyncio.run(
-            run_router_path(cluster.router_url, prompts, refs, a.output_tokens, a.warmup)
+        print(f"router and bus paths, alternating: {n} requests each ...", file=sys.stderr)
+        routed, bus, bad = asyncio.run(
+            run_both_paths(cluster.router_url, cluster.nats_url, prompts, refs, a)
         )
-        print(f"bus path: {n} requests ...", file=sys.stderr)
-        bus = asyncio.run(run_bus_path(cluster.nats_url, prompts, refs, a.output_tokens, a.warmup))
     finally:
         cluster.stop()
     out: dict[str, Any] = {"bench": "serve"}
@@ -376,17 +371,13 @@ def main(argv: list[str] | None = None) -> int:
         out |= summarize(key, routed[key])
     for key in ("first_decode_gap_overhead_ms", "before_prefill_ms", "prefill_end_to_client_ms"):
         out |= summarize(f"bus_only_{key}", bus[key])
-    p50 = out["ttft_overhead_ms_p50"]
-    bus_p50 = out["bus_only_ttft_overhead_ms_p50"]
-    out["router_ttft_share_ms_p50"] = (
-        round(p50 - bus_p50, 3) if p50 is not None and bus_p50 is not None else None
-    )
+    out |= summarize("router_minus_bus_ttft_ms", routed["router_minus_bus_ttft_ms"])
     out |= overshoot
     out |= {
         "requests": a.requests,
         "per_token_samples": len(routed["per_token_overhead_ms"]),
         "bus_only_per_token_samples": len(bus["per_token_overhead_ms"]),
-        "mismatched_streams": routed["mismatched"] + bus["mismatched"],
+        "mismatched_streams": bad,
         "prompt_tokens": a.prompt_tokens,
         "output_tokens": a.output_tokens,
         "engine_prefill_ms": round(

@@ -49,6 +49,7 @@ def fault_cluster(
     env: Sequence[tuple[str, str]] = (),
     log_json: bool = False,
     with_controller: bool = True,
+    controller_args: Sequence[str] = (),
 ) -> Iterator[Cluster]:
     """A started, ready cluster of emulated workers (model ``tiny``); stopped on exit.
 
@@ -65,6 +66,7 @@ def fault_cluster(
         log_json=log_json,
         worker_args=(*FAULT_WORKER_ARGS, "--num-kv-blocks", str(num_kv_blocks), *extra_worker_args),
         router_args=tuple(router_args),
+        controller_args=tuple(controller_args),
         env=tuple(env),
         log_dir=log_dir,
         with_controller=with_controller,
