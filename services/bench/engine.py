@@ -23,13 +23,22 @@ from shared.engine.generate import generate
 from shared.sampling_params import SamplingParams
 
 
-def _read_bandwidth_gbps(nbytes: int = 512 * 1024 * 1024, repeats: int = 5) -> float:
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _read_bandwidth_gbps(
+    nbytes: int = 512 * 1024 * 1024, repeats: int = 5, device: str = "cpu"
+) -> float:
+    buf = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     buf.sum()
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         buf.sum()
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
 
@@ -111,11 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-iters", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     args = p.parse_args(argv)
 
-    engine = Engine.load(EngineConfig(model=args.model, block_size=16, num_kv_blocks=512))
-    bw = _read_bandwidth_gbps()
+    engine = Engine.load(
+        EngineConfig(model=args.model, block_size=16, num_kv_blocks=512, device=args.device)
+    )
+    bw = _read_bandwidth_gbps(device=args.device)
     result: dict[str, object] = {"model": args.model, "read_bandwidth_gbps": round(bw, 2)}
     kv_per_token = engine.model_config.kv_bytes_per_token(engine.cfg.torch_dtype)
     weight_bytes = engine.model.weight_nbytes()
