@@ -23,7 +23,7 @@ class FlashInferPagedAttention:
     name = "flashinfer"
 
     def __init__(self, scale: float, device: torch.device) -> None:
-        import flashinfer  # noqa: F401  (ImportError -> the caller falls back)
+        import flashinfer  # ImportError -> make_attention falls back to torch
 
         self.scale = scale
         self.device = device
