@@ -119,13 +119,13 @@ def make_attention(backend: str, device: torch.device, scale: float) -> Attentio
     if backend in ("auto", "flashinfer") and device.type == "cuda":
         try:
             from shared.engine.flashinfer_backend import FlashInferPagedAttention
+
+            return FlashInferPagedAttention(scale, device)
         except ImportError:
             if backend == "flashinfer":
                 raise ValueError(
                     "attention_backend=flashinfer but flashinfer is not installed"
                 ) from None
-        else:
-            return FlashInferPagedAttention(scale, device)
     if backend == "flashinfer":
         raise ValueError("attention_backend=flashinfer needs a CUDA device")
     return TorchPagedAttention(scale)
