@@ -15,7 +15,7 @@ import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -39,6 +39,7 @@ from shared.messages import (
     CancelRequest,
     MigrateRequest,
     PrefillRequest,
+    Role,
     StreamSequencer,
     Subjects,
     SwitchCommand,
@@ -58,7 +59,7 @@ class WorkerRuntime:
         self.cfg = cfg
         self.subjects = Subjects(cfg.subject_prefix)
         self.metrics_registry = CollectorRegistry()
-        self.role = cfg.role
+        self.role: Role = cast(Role, cfg.role)  # validated by WorkerConfig
         self.state = "starting"
         self.started_at_s = time.time()
         self._stack = contextlib.AsyncExitStack()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from shared.bus.errors import BusError
-from shared.messages import Ack, StateEvent, SwitchCommand, SwitchReply
+from shared.messages import Ack, Role, StateEvent, SwitchCommand, SwitchReply
 
 if TYPE_CHECKING:
     from services.worker.runtime import WorkerRuntime
@@ -86,7 +86,7 @@ class RoleSwitcher:
             "worker_state", worker_id=rt.cfg.worker_id, role=rt.role, state=state, reason=reason
         )
 
-    async def _run(self, from_role: str, to_role: str) -> None:
+    async def _run(self, from_role: Role, to_role: Role) -> None:
         rt = self.rt
         t0 = time.perf_counter()
         await self._set_state("drain", f"switch {from_role}->{to_role}")
