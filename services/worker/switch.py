@@ -146,8 +146,14 @@ class RoleSwitcher:
             remaining = req.seq.params.max_tokens - len(req.seq.output_token_ids)
             if remaining * step_s > self.migrate_min_remaining_s:
                 moves.append(req.request_id)
-        for i, rid in enumerate(moves):
-            await migrate_out(rt, rid, peers[i % len(peers) :] + peers[: i % len(peers)])
+        # All leave the batch at the same step boundary and move concurrently, so the drain
+        # is about one step plus one transfer, not their sum.
+        await asyncio.gather(
+            *(
+                migrate_out(rt, rid, peers[i % len(peers) :] + peers[: i % len(peers)])
+                for i, rid in enumerate(moves)
+            )
+        )
 
     async def _hand_off_queue(self) -> None:
         """Give queued prefill requests to other Active prefill workers, keeping deadlines."""
