@@ -139,10 +139,32 @@ def test_never_empty_a_role() -> None:
 def test_both_phases_pressured_means_no_switch() -> None:
     policy = RolePolicy(CFG)
     # PPI̅ 1.5 > 1.0 but DPI̅_load = 0.8 >= 0.6: eq. 22 fails; eq. 23 needs PPI̅ < 0.6.
-    both = snap(pw("p1", 1.5), pw("p2", 1.1), dw("d1", 0.8, 0.9), dw("d2", 0.8, 0.9))
+    # DPI̅_adm = 0.5: admission still has headroom, so it is not decode backpressure.
+    both = snap(pw("p1", 1.5), pw("p2", 1.1), dw("d1", 0.8, 0.5), dw("d2", 0.8, 0.5))
     for t in range(6):
         d = policy.decide(both, float(t))
         assert (d.action, d.reason, d.recommendation) == (NONE, "both_phases_pressured", NONE)
+
+
+def test_saturated_decode_admission_blocking_prefill_recommends_p2d() -> None:
+    """Extension: PPI̅ high because the decode pool admits nothing (DPI̅_adm 0.95 >= 0.9)."""
+    policy = RolePolicy(CFG)
+    blocked = snap(
+        pw("p1", 1.5, queue=40), pw("p2", 1.1, queue=30), dw("d1", 0.8, 0.95), dw("d2", 0.8, 0.95)
+    )
+    decisions = [policy.decide(blocked, float(t)) for t in range(3)]
+    assert [d.recommendation for d in decisions] == [P2D, P2D, P2D]
+    assert decisions[-1].reason == "decode_admission_blocks_prefill"
+    assert decisions[-1].action == P2D  # after N_persist = 3 agreeing intervals
+
+
+def test_no_d2p_while_decode_admission_is_short() -> None:
+    """Extension: eq. 22 holds (PPI̅ > 1, DPI̅_load < 0.6) but DPI̅_adm = 0.7 is above the
+    hysteresis bound (0.2 + 0.9) / 2 = 0.55: removing a decode worker would deepen the
+    backpressure, so no D->P."""
+    policy = RolePolicy(CFG)
+    s = snap(pw("p1", 1.5), pw("p2", 1.2), dw("d1", 0.3, 0.7), dw("d2", 0.3, 0.7))
+    assert policy.decide(s, 0.0).recommendation == NONE
 
 
 def test_p2d_picks_least_running_prefill_and_hysteresis_band() -> None:

@@ -146,3 +146,18 @@ def test_ppi_steal_of_a_split_plan_by_hand() -> None:
     # 0.51/2 = 0.255, 1.12/1.955 = 0.572890, 1.93/2 = 0.965 (all <= 1: schedulable).
     vals = ppi_steal_values(queue, {1: 400}, PROF, CFG, 0.0)
     assert vals == pytest.approx([0.255, 1.12 / 1.955, 0.965])
+
+
+def test_dpi_adm_counts_admission_slots_when_capped() -> None:
+    from shared.policy.pressure import DecodeLoad, dpi_adm
+
+    # KV: 1000 tokens, 100 active + 100 reserved -> 0.2 of the pool held.
+    assert dpi_adm(DecodeLoad(1000, 100, 100, 10)) == pytest.approx(0.2)
+    # 48 of 64 admission slots used binds first: 48/64 = 0.75.
+    assert dpi_adm(DecodeLoad(1000, 100, 100, 10, admitted_requests=48, max_requests=64)) == (
+        pytest.approx(0.75)
+    )
+    # Slots barely used: the KV fraction stays the answer.
+    assert dpi_adm(DecodeLoad(1000, 100, 100, 10, admitted_requests=1, max_requests=64)) == (
+        pytest.approx(0.2)
+    )

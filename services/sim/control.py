@@ -112,6 +112,8 @@ class ControlPlane:
             d.active_tokens(),
             d.reserved_blocks * self.cfg.block_size,
             d.running,
+            admitted_requests=d.requests,
+            max_requests=self.cfg.max_num_seqs,
         )
         return decode_pressure(
             load, self.profile, self.policy, max(1, n_peers), max_batch=self.cfg.max_num_seqs

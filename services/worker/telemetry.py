@@ -161,7 +161,14 @@ class Telemetry:
         # horizon installed requests hold), so that C_alloc (eq. 6) is exactly the free pool.
         held_tokens = capacity - bm.num_free_blocks * bm.block_size
         reserved_tokens = max(0, held_tokens - active_tokens)
-        return DecodeLoad(capacity, active_tokens, reserved_tokens, len(dec.runnable))
+        return DecodeLoad(
+            capacity,
+            active_tokens,
+            reserved_tokens,
+            len(dec.runnable),
+            admitted_requests=len(dec.requests),
+            max_requests=dec.max_num_seqs,
+        )
 
     def _refresh_decode(self) -> None:
         now = time.monotonic()

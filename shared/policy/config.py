@@ -36,6 +36,9 @@ class PolicyConfig:
     ppi_high: float = 1.0
     dpi_load_high: float = 0.6  # also the FluidToken eligibility bound of eq. 12/17
     dpi_adm_high: float = 0.2
+    # Not in the paper: when PPI is high but the decode pool's admission is this full, the
+    # prefill backlog is decode backpressure and FluidRole adds decode capacity (P->D).
+    dpi_adm_blocking: float = 0.9
     n_persist: int = 3  # consecutive agreeing decision intervals before a switch
     cooldown_s: float = 20.0  # T_cooldown after a switch (D→P drain can take ~12 s, §V-H)
     window_s: float = 5.0  # observation window of the PPI p95 (eq. 20)
@@ -69,6 +72,7 @@ class PolicyConfig:
             "ppi_low",
             "dpi_load_high",
             "dpi_adm_high",
+            "dpi_adm_blocking",
             "cooldown_s",
             "budget_context_tokens",
         ):

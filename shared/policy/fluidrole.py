@@ -118,11 +118,25 @@ def recommend(
     ppi_bar: float, dpi_load_bar: float, dpi_adm_bar: float, cfg: PolicyConfig
 ) -> tuple[str, str]:
     """Eq. 22–23 plus the both-pressured rule: (recommendation, reason)."""
-    if ppi_bar > cfg.ppi_high and dpi_load_bar < cfg.dpi_load_high:
+    if (
+        ppi_bar > cfg.ppi_high
+        and dpi_load_bar < cfg.dpi_load_high
+        and dpi_adm_bar < 0.5 * (cfg.dpi_adm_high + cfg.dpi_adm_blocking)
+    ):
+        # Eq. 22, unless the decode pool is short of admission headroom (extension): taking
+        # a decode worker away then only deepens the backpressure that built the backlog.
+        # The bound sits below dpi_adm_blocking (hysteresis) so P->D and D->P cannot chase
+        # each other around one threshold.
         return D2P, "eq22_prefill_pressure"
     if dpi_adm_bar > cfg.dpi_adm_high and ppi_bar < cfg.ppi_low:
         return P2D, "eq23_decode_admission_pressure"
     if ppi_bar > cfg.ppi_high:
+        if dpi_adm_bar >= cfg.dpi_adm_blocking:
+            # Extension (the paper's §IV-B ambiguity): a decode pool that has (nearly) no
+            # admission headroom left refuses the prefill queue's head, so the prefill
+            # backlog is decode backpressure, not prefill overload — only more decode
+            # capacity can drain it.
+            return P2D, "decode_admission_blocks_prefill"
         return NONE, "both_phases_pressured"
     if dpi_adm_bar > cfg.dpi_adm_high:
         return NONE, "prefill_not_idle"

@@ -39,6 +39,10 @@ class DecodeLoad:
     kv_active_tokens: int  # C_d^active (also the aggregate context C of eq. 13)
     kv_reserved_tokens: int  # C_d^reserved
     active_requests: int  # N_d^active
+    # Admission slots: requests admitted (reserved or running) and the worker's cap on them
+    # (0 = no cap). Our decode workers refuse admission at either limit, KV or slots.
+    admitted_requests: int = 0
+    max_requests: int = 0
 
     def __post_init__(self) -> None:
         # C_KV divides eq. 7–8; a worker without KV capacity cannot be a decode worker.
@@ -144,8 +148,19 @@ def dpi_load(load: DecodeLoad, n_tpot_batch: int) -> float:
 
 
 def dpi_adm(load: DecodeLoad) -> float:
-    """Eq. 8: DPI_d,adm = 1 − C_alloc / C_KV (fraction occupied or reserved)."""
-    return 1.0 - kv_alloc_tokens(load) / load.kv_capacity_tokens
+    """Eq. 8: DPI_d,adm = 1 − C_alloc / C_KV (fraction occupied or reserved).
+
+    Extension: when the worker also caps admitted requests (``max_requests`` > 0), the
+    admission headroom is the smaller of the two, so DPI_adm is the larger fraction used:
+    max(1 − C_alloc / C_KV, N_admitted / N_max). Without it, a decode pool that refuses
+    admission because its batch slots are full looks idle to FluidRole (eq. 23), and a
+    prefill backlog caused by that refusal is mistaken for prefill overload.
+    """
+    kv_used = 1.0 - kv_alloc_tokens(load) / load.kv_capacity_tokens
+    if load.max_requests > 0:
+        slots_used = load.admitted_requests / load.max_requests
+        return slots_used if slots_used > kv_used else kv_used
+    return kv_used
 
 
 def tpot_slack_s(load: DecodeLoad, profile: LatencyProfile, cfg: PolicyConfig) -> float:

@@ -1,0 +1,445 @@
+"""``fluidpd bench shift`` (issue 6): automatic FluidRole on a real emulated cluster.
+
+An open-loop arrival mix shifts phase by phase (e.g. decode-heavy → prefill-heavy →
+decode-heavy) against router, workers and controller as separate processes; the controller
+runs with ``--auto`` and a policy file. The bench watches what the controller publishes
+(``ControllerDecision`` every interval) and what the workers publish (``StateEvent``s of
+every switch, telemetry), and reports per phase the switches taken, when their pressure
+first held (eq. 22 / 23 from the decision's own inputs), the decision lag in intervals and
+the drain time; after the load it waits until every worker is idle and reports its free
+KV blocks. Last stdout line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.bench.loadgen import PlannedRequest, run_open_loop, summarize
+from services.common.cluster import Cluster, ClusterSpec
+from services.common.nats_server import free_port
+from shared.bus import Bus
+from shared.bus.config import BusConfig
+from shared.messages import ControllerDecision, StateEvent, Subjects, WorkerTelemetry
+from shared.policy.config import PolicyConfig
+
+TINY_VOCAB = 356  # the "tiny" tokenizer's vocabulary (prompt ids are drawn below it)
+D2P, P2D = "decode_to_prefill", "prefill_to_decode"
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Uniform (deterministic) arrivals of one request shape."""
+
+    rate_per_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.rate_per_s <= 0 or self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise ValueError("stream rate_per_s > 0, prompt_tokens and output_tokens >= 1")
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of time with one arrival mix (one or more concurrent streams)."""
+
+    label: str
+    duration_s: float
+    streams: tuple[Stream, ...]
+
+    def __post_init__(self) -> None:
+        if self.duration_s <= 0 or not self.streams:
+            raise ValueError("a phase needs duration_s > 0 and at least one stream")
+
+
+@dataclass(frozen=True)
+class ShiftSetup:
+    """The cluster a scenario runs on. ``kv_blocks`` per worker (block size 16)."""
+
+    prefill: int = 2
+    decode: int = 2
+    kv_blocks: int = 2560
+    fluidtoken: bool = False
+    profile: str = ""  # "" = the shipped Llama-3.1-8B / A100 profile
+    extra_worker_args: tuple[str, ...] = ()
+    idle_timeout_s: float = 30.0
+
+
+def plan(phases: Sequence[Phase]) -> tuple[list[PlannedRequest], list[tuple[str, float, float]]]:
+    """Arrivals of every phase back to back, and each phase's (label, start_s, end_s)."""
+    out: list[PlannedRequest] = []
+    bounds = []
+    start = 0.0
+    for ph in phases:
+        for k, st in enumerate(ph.streams):
+            offset = k / (len(ph.streams) * st.rate_per_s)  # interleave, do not coincide
+            n = max(1, int(ph.duration_s * st.rate_per_s))
+            out += [
+                PlannedRequest(
+                    start + offset + i / st.rate_per_s, st.prompt_tokens, st.output_tokens, ph.label
+                )
+                for i in range(n)
+            ]
+        bounds.append((ph.label, start, start + ph.duration_s))
+        start += ph.duration_s
+    return sorted(out, key=lambda p: p.arrival_s), bounds
+
+
+@dataclass
+class Observer:
+    """Everything published on the bus that the analysis needs, with receive times
+    (this process's monotonic clock). Event-loop only."""
+
+    nats_url: str
+    decisions: list[tuple[float, ControllerDecision]] = field(default_factory=list)
+    events: list[tuple[float, StateEvent]] = field(default_factory=list)
+    telemetry: dict[str, WorkerTelemetry] = field(default_factory=dict)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    bus: Bus | None = None
+
+    async def __aenter__(self) -> Observer:
+        subjects = Subjects()
+        self.bus = Bus(BusConfig.from_url(self.nats_url, name="bench-shift"), subjects)
+        await self.bus.start()
+        await self.bus.subscribe_stream(
+            subjects.controller_decisions(), ControllerDecision, self._on_decision
+        )
+        await self.bus.subscribe_stream(subjects.events("*"), StateEvent, self._on_event)
+        await self.bus.subscribe_stream(
+            subjects.telemetry_all(), WorkerTelemetry, self._on_telemetry
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.bus is not None:
+            await self.bus.stop()
+
+    def _pulse(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def _on_decision(self, msg: ControllerDecision) -> None:
+        self.decisions.append((time.monotonic(), msg))
+        self._pulse()
+
+    async def _on_event(self, msg: StateEvent) -> None:
+        self.events.append((time.monotonic(), msg))
+        self._pulse()
+
+    async def _on_telemetry(self, msg: WorkerTelemetry) -> None:
+        self.telemetry[msg.publisher_id] = msg
+        self._pulse()
+
+    async def wait_until(self, predicate: Any, timeout_s: float) -> bool:
+        """True once ``predicate()`` holds (re-checked on every message), False at timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            changed = self.changed
+            try:
+                await asyncio.wait_for(changed.wait(), remaining)
+            except TimeoutError:
+                return predicate()
+        return True
+
+    def idle(self, worker_ids: Sequence[str]) -> bool:
+        """Every worker reports no work and every KV block free."""
+        tel = [self.telemetry.get(w) for w in worker_ids]
+        return all(
+            t is not None
+            and t.state == "active"
+            and t.free_blocks == t.total_blocks
+            and t.running == 0
+            and t.queue_len == 0
+            for t in tel
+        )
+
+
+def eq22(inputs: dict[str, float], cfg: PolicyConfig) -> bool:
+    """Eq. 22 on a decision's published inputs (prefill pressure, decode has room)."""
+    return inputs["ppi_bar"] > cfg.ppi_high and inputs["dpi_load_bar"] < cfg.dpi_load_high
+
+
+def eq23(inputs: dict[str, float], cfg: PolicyConfig) -> bool:
+    """Eq. 23 on a decision's published inputs (decode admission pressure, prefill idle)."""
+    return inputs["dpi_adm_bar"] > cfg.dpi_adm_high and inputs["ppi_bar"] < cfg.ppi_low
+
+
+def _switch_row(obs: Observer, k: int, cfg: PolicyConfig) -> dict[str, Any]:
+    """One switch decision: its persistence run, its worker's drain and return to Active.
+
+    ``onset`` is the first decision of the run of ``persisting_*`` decisions right before
+    the switch (the first interval the policy counted); ``held_since`` the first of the
+    consecutive decisions whose inputs satisfied the equation (it can be earlier when a
+    cooldown was running). Times are this process's monotonic clock.
+    """
+    decisions = obs.decisions
+    t_dec, d = decisions[k]
+    held = eq22 if d.action == D2P else eq23
+    run = 0
+    while k - run - 1 >= 0 and decisions[k - run - 1][1].reason.startswith("persisting_"):
+        run += 1
+    since = k
+    while since - 1 >= 0 and held(decisions[since - 1][1].inputs, cfg):
+        since -= 1
+    mine = [(t, e) for t, e in obs.events if e.publisher_id == d.target_worker_id and t >= t_dec]
+    drain_t = next((t for t, e in mine if e.to_state == "drain"), None)
+    back = next(((t, e) for t, e in mine if e.to_state == "active"), None)
+    active_t = back[0] if back else None
+    return {
+        "action": d.action,
+        "worker_id": d.target_worker_id,
+        "t_onset": decisions[k - run][0],
+        "t_held_since": decisions[since][0],
+        "t_decided": t_dec,
+        "t_drain": drain_t,
+        "t_active": active_t,
+        "intervals_counted": run + 1,
+        "completed": bool(back and back[1].from_state == "switch"),
+        "decision_lag_s": round(t_dec - decisions[k - run][0], 3),
+        "drain_s": round(active_t - drain_t, 3) if active_t and drain_t else None,
+        "onset_to_active_s": round(active_t - decisions[k - run][0], 3) if active_t else None,
+    }
+
+
+def analyse(
+    obs: Observer, t0: float, bounds: list[tuple[str, float, float]], cfg: PolicyConfig
+) -> dict[str, Any]:
+    """Switches and per-phase figures; every ``*_s`` time is relative to the load start."""
+
+    def phase_of(t: float) -> str:
+        return next((lb for lb, a, b in bounds if a <= t - t0 < b), "after")
+
+    decisions = obs.decisions
+    switches = []
+    for k, (_, d) in enumerate(decisions):
+        if d.action in (D2P, P2D):
+            row = _switch_row(obs, k, cfg)
+            row["phase"] = phase_of(row["t_decided"])
+            for key in [x for x in row if x.startswith("t_")]:
+                t = row.pop(key)
+                row[key[2:] + "_s"] = None if t is None else round(t - t0, 3)
+            switches.append(row)
+    phases = {}
+    for label, start, end in bounds:
+        inside = [d for t, d in decisions if start <= t - t0 < end]
+        mine = [s for s in switches if s["phase"] == label]
+        t22 = next((t for t, d in decisions if start <= t - t0 < end and eq22(d.inputs, cfg)), None)
+        t23 = next((t for t, d in decisions if start <= t - t0 < end and eq23(d.inputs, cfg)), None)
+        phases[label] = {
+            "start_s": start,
+            "end_s": end,
+            "decisions": len(inside),
+            "switches_d2p": sum(s["action"] == D2P for s in mine),
+            "switches_p2d": sum(s["action"] == P2D for s in mine),
+            "first_eq22_s": None if t22 is None else round(t22 - t0, 3),
+            "first_eq23_s": None if t23 is None else round(t23 - t0, 3),
+            "reasons": _count(d.reason for d in inside),
+            **{
+                f"max_{k}": round(max((d.inputs[k] for d in inside), default=0.0), 3)
+                for k in ("ppi_bar", "dpi_load_bar", "dpi_adm_bar")
+            },
+            "layout_end": [int(inside[-1].inputs[k]) for k in _LAYOUT] if inside else None,
+        }
+    seqs = [d.seq for _, d in decisions]
+    return {
+        "switches": switches,
+        "phases": phases,
+        "decisions_total": len(decisions),
+        "decision_seq_gaps": [b - a for a, b in itertools.pairwise(seqs) if b - a != 1],
+        "decision_span_s": round(decisions[-1][0] - decisions[0][0], 3) if decisions else 0.0,
+        "cancelled_switches": sum(
+            1 for _, e in obs.events if e.from_state == "drain" and e.to_state == "active"
+        ),
+        "timeline": [
+            [round(t - t0, 3), d.action, d.reason, *(round(d.inputs[k], 3) for k in _SIGNALS)]
+            for t, d in decisions
+        ],
+    }
+
+
+_LAYOUT = ("active_prefill", "active_decode")
+_SIGNALS = ("ppi_bar", "dpi_load_bar", "dpi_adm_bar", *_LAYOUT)
+
+
+def _count(reasons: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for reason in reasons:
+        key = "persisting" if reason.startswith("persisting_") else reason
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
+async def _drive(
+    cluster: Cluster, setup: ShiftSetup, phases: Sequence[Phase], cfg: PolicyConfig
+) -> dict[str, Any]:
+    requests, bounds = plan(phases)
+    worker_ids = list(cluster.workers)
+    async with Observer(cluster.nats_url) as obs:
+        # The controller's first decision after every worker is seen: the policy is live.
+        if not await obs.wait_until(
+            lambda: bool(obs.decisions) and set(worker_ids) <= set(obs.telemetry), 30.0
+        ):
+            raise TimeoutError("no controller decision or worker telemetry within 30 s")
+        t0 = time.monotonic()
+        records = await run_open_loop(
+            cluster.router_url, "tiny", requests, vocab_size=TINY_VOCAB, progress=False
+        )
+        t_load_done = time.monotonic()
+        idle = await obs.wait_until(lambda: obs.idle(worker_ids), setup.idle_timeout_s)
+        t_idle = time.monotonic()
+        result = analyse(obs, t0, bounds, cfg)
+        result["load_s"] = round(t_load_done - t0, 3)
+        result["idle_after_load_s"] = round(t_idle - t_load_done, 3)
+        result["idle_at_end"] = idle
+        result["final"] = {
+            w: {
+                "role": t.role,
+                "state": t.state,
+                "free_blocks": t.free_blocks,
+                "total_blocks": t.total_blocks,
+                "migrations_out": t.metrics.get("migrations_out_total", 0.0),
+                "switches": t.metrics.get("switches_total", 0.0),
+                "switch_drain_ms": round(t.metrics.get("switch_drain_ms", 0.0), 1),
+            }
+            for w, t in sorted(obs.telemetry.items())
+        }
+    result["requests"] = {
+        label: summarize([r for r in records if r.label == label], cfg.ttft_ms, cfg.tpot_ms)
+        for label, _, _ in bounds
+    }
+    result["requests"]["all"] = summarize(records, cfg.ttft_ms, cfg.tpot_ms)
+    result["errors_sample"] = sorted({r.error for r in records if r.error})[:5]
+    return result
+
+
+def run_shift(
+    setup: ShiftSetup, phases: Sequence[Phase], cfg: PolicyConfig, log_dir: Path
+) -> dict[str, Any]:
+    """Start the cluster, drive ``phases`` through the router, analyse, stop. Blocking."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    policy_path = log_dir / "policy.json"
+    policy_path.write_text(cfg.to_json(), encoding="utf-8")
+    worker_args: tuple[str, ...] = ("--num-kv-blocks", str(setup.kv_blocks), "--block-size", "16")
+    if not setup.fluidtoken:
+        worker_args += ("--no-fluidtoken",)
+    spec = ClusterSpec(
+        prefill=setup.prefill,
+        decode=setup.decode,
+        model="tiny",
+        engine="emulated",
+        port=free_port(),
+        profile=setup.profile,
+        policy_config=str(policy_path),
+        auto_policy=True,
+        worker_args=worker_args + setup.extra_worker_args,
+        log_dir=log_dir,
+    )
+    cluster = Cluster(spec)
+    started = time.monotonic()
+    try:
+        cluster.start()
+        cluster.wait_ready(timeout_s=120)
+        ready_s = time.monotonic() - started
+        result = asyncio.run(_drive(cluster, setup, phases, cfg))
+    finally:
+        cluster.stop()
+    result["cluster_ready_s"] = round(ready_s, 2)
+    result["setup"] = asdict(setup)
+    result["policy"] = cfg.to_dict()
+    result["phases_planned"] = [asdict(p) for p in phases]
+    return result
+
+
+# ------------------------------------------------------------------------ presets
+# Decision loop 4x faster than the paper's 1 s so that a test sees several switches in
+# under a minute; N_persist as in PolicyConfig; the cooldown (paper-like 20 intervals) is
+# longer than a decode-heavy request lives (~3-4 s here), so the tail of the previous mix
+# cannot trigger a switch back; the PPI window spans 4 intervals. Thresholds: the paper's.
+POLICY = PolicyConfig(decision_interval_s=0.25, n_persist=3, cooldown_s=5.0, window_s=1.0)
+# Decode-heavy: each request holds ~1280 tokens of KV for ~3 s of decoding (~20 live
+# requests, DPI_adm ~0.35 on two decode workers of 2560 blocks) while prefill work stays at
+# ~0.7 of one prefill worker (1024 x 93.5 us = 0.11 s per prompt), so PPI stays ~0.
+DECODE_HEAVY = Stream(rate_per_s=6.0, prompt_tokens=1024, output_tokens=256)
+# Prefill-heavy: 3000-token prompts (0.295 s each) at 4.5/s exceed one prefill worker
+# (3.4/s: its queue, hence PPI, grows without bound) but not two (6.8/s); four output
+# tokens keep decode load light (a reservation lives ~0.4 s, DPI_adm ~0.1 on two workers).
+PREFILL_HEAVY = Stream(rate_per_s=4.5, prompt_tokens=3000, output_tokens=4)
+
+
+def shift_phases(
+    steady_s: float = 15.0, decode_s: float = 6.0, prefill_s: float = 10.0
+) -> list[Phase]:
+    """S (a steady moderate mix; omitted when ``steady_s`` is 0), then the shift:
+    A decode-heavy → B prefill-heavy → C decode-heavy.
+
+    S carries both shapes at once: ~0.4 of two prefill workers (PPI 0–0.3) and DPI_adm
+    ~0.1–0.17 on two decode workers, i.e. neither eq. 22 nor eq. 23 holds. A and C last
+    6 s so that the decode load left over when B starts stays below DPI_load^high even when
+    CPU contention slows decoding (at most 36 live requests over three decode workers).
+    """
+    steady = Phase("S", steady_s, (Stream(2.0, 1024, 128), Stream(2.0, 3000, 4)))
+    return [p for p in (steady,) if steady_s > 0] + [
+        Phase("A", decode_s, (DECODE_HEAVY,)),
+        Phase("B", prefill_s, (PREFILL_HEAVY,)),
+        Phase("C", decode_s, (DECODE_HEAVY,)),
+    ]
+
+
+def switch_counts(result: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per phase: {"d2p": n, "p2d": n}."""
+    return {
+        label: {"d2p": ph["switches_d2p"], "p2d": ph["switches_p2d"]}
+        for label, ph in result["phases"].items()
+    }
+
+
+def expected_counts(labels: Sequence[str]) -> dict[str, dict[str, int]]:
+    """What the policy should do on 2P2D: nothing in S; P→D in A (decode admission
+    pressure, then 1P3D: no more, never empty a role); D→P in B; P→D again in C."""
+    want = {"S": (0, 0), "A": (0, 1), "B": (1, 0), "C": (0, 1)}
+    return {lb: {"d2p": want[lb][0], "p2d": want[lb][1]} for lb in labels}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="fluidpd bench shift", description=__doc__)
+    p.add_argument("--kv-blocks", type=int, default=ShiftSetup.kv_blocks)
+    p.add_argument("--steady-s", type=float, default=15.0, help="phase S (0: skip it)")
+    p.add_argument("--decode-s", type=float, default=6.0, help="phases A and C")
+    p.add_argument("--prefill-s", type=float, default=10.0, help="phase B")
+    p.add_argument("--log-dir", default="", help="keep the children's logs here")
+    p.add_argument("--timeline", action="store_true", help="include every decision")
+    a = p.parse_args(argv)
+    phases = shift_phases(a.steady_s, a.decode_s, a.prefill_s)
+    with tempfile.TemporaryDirectory(prefix="fluidpd-bench-shift-") as tmp:
+        result = run_shift(
+            ShiftSetup(kv_blocks=a.kv_blocks), phases, POLICY, Path(a.log_dir or tmp)
+        )
+    if not a.timeline:
+        result.pop("timeline")
+    counts = switch_counts(result)
+    expected = expected_counts([ph.label for ph in phases])
+    result.update(
+        bench="shift",
+        switch_counts=counts,
+        expected_switch_counts=expected,
+        goal_met=bool(
+            counts == expected
+            and result["requests"]["all"]["errors"] == 0
+            and result["idle_at_end"]
+            and not result["decision_seq_gaps"]
+        ),
+    )
+    print(json.dumps(result))
+    return 0
