@@ -240,12 +240,6 @@ def test_worker_without_credentials_exits_nonzero(
         assert "cannot connect to NATS" in out, out[-2000:]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: an auth failure is retried for the whole 30 s connect deadline and "
-    "reported as 'cannot connect to NATS (TimeoutError)' with a traceback (shared/bus/"
-    "bus.py Bus.start; services/worker/main.py does not catch BusConnectionError)",
-)
 def test_worker_without_credentials_fails_fast_and_clearly(
     unauthenticated: list[tuple[subprocess.Popen[str], float]],
 ) -> None:

@@ -110,8 +110,12 @@ class Router:
         self.watcher = RegistryWatcher(self.bus, on_change=self.dispatcher.on_registry_change)
         await self.watcher.start(timeout_s=cfg.registry_timeout_s)
         await self.bus.subscribe_stream(
-            self.dispatcher.tokens_subject, TokenBatch, self.dispatcher.on_tokens
+            self.dispatcher.tokens_subject,
+            TokenBatch,
+            self.dispatcher.on_tokens,
+            on_gap=self.dispatcher.on_stream_gap,
         )
+        self.bus.add_reconnect_listener(self.dispatcher.on_bus_reconnected)
         if isinstance(self.policy, PressurePolicy):
             policy = self.policy
 

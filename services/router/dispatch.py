@@ -110,6 +110,29 @@ class Dispatcher:
                 )
                 self.cancel_soon(entry, "worker_lost")
 
+    def on_stream_gap(self, publisher_id: str, missing: int) -> None:
+        """Token batches from ``publisher_id`` were lost: its streams cannot be trusted."""
+        self._fail_held(
+            lambda e: (
+                e.decode_id == publisher_id
+                or (e.prefill_id == publisher_id and e.stream.num_tokens == 0)
+            ),
+            f"{missing} token message(s) from worker {publisher_id} were lost on the bus",
+            "stream_gap",
+        )
+
+    async def on_bus_reconnected(self) -> None:
+        """After a NATS outage any in-flight stream may have lost tokens: end them clearly
+        (retryable) instead of letting them wait for tokens that will never come."""
+        self._fail_held(lambda e: True, "the message bus reconnected mid-stream", "bus_reconnected")
+
+    def _fail_held(self, holds: Callable[[InFlight], bool], error: str, code: str) -> None:
+        for entry in list(self.in_flight.values()):
+            if holds(entry) and not entry.stream.finished:
+                log.warning("request_stream_failed", request_id=entry.request_id, code=code)
+                entry.stream.fail(error, code)
+                self.cancel_soon(entry, code)
+
     # --- submission -------------------------------------------------------------------
     def _pick(self, exclude: frozenset[str]) -> tuple[str, str]:
         try:

@@ -34,7 +34,18 @@ def end_to_error(end: StreamEnd) -> ApiError:
     message = end.error or f"the request ended with {end.finish_reason}"
     if code == "request_timeout":
         return ApiError(message, code=code, http_status=504)
-    retry = 1 if code in ("kv_capacity_exhausted", "worker_lost", "router_stopping") else None
+    retry = (
+        1
+        if code
+        in (
+            "kv_capacity_exhausted",
+            "worker_lost",
+            "router_stopping",
+            "stream_gap",
+            "bus_reconnected",
+        )
+        else None
+    )
     return ApiError(message, code=code, http_status=503, retry_after_s=retry)
 
 

@@ -88,7 +88,8 @@ class DecodeRole:
         self._suffix_budget = suffix_budget
         self.chunk_budget: Callable[[], int] | None = None
         self.requests: dict[str, DecodeRequest] = {}
-        self.migrated_to: dict[str, str] = {}  # request id -> peer that now decodes it
+        self.migrated_to: dict[str, str] = {}
+        self._cancelled: dict[str, None] = {}  # ids cancelled before their admit arrived  # request id -> peer that now decodes it
         self.runnable: list[DecodeRequest] = []
         self._in_step: set[str] = set()
         self._doomed: set[str] = set()
@@ -123,6 +124,8 @@ class DecodeRole:
             )
         if msg.request_id in self.requests:
             return AdmitReply(ok=False, error=f"request {msg.request_id} already admitted")
+        if msg.request_id in self._cancelled:
+            return AdmitReply(ok=False, error=f"request {msg.request_id} was cancelled")
         if len(self.requests) >= self.max_num_seqs:
             return AdmitReply(ok=False, error="decode batch is full", retry_after_ms=20)
         suffix_len = msg.suffix_len
@@ -142,6 +145,8 @@ class DecodeRole:
                 num_blocks=self._blocks_for_request(msg.prompt_len, msg.sampling.max_tokens),
             )
         except NoFreeBlocksError as exc:
+            if exc.needed_blocks > self.bm.num_blocks:  # can never fit: no point retrying
+                return AdmitReply(ok=False, error=f"request larger than the KV pool: {exc}")
             return AdmitReply(ok=False, error=str(exc), retry_after_ms=50)
         placeholder = [0] * msg.prompt_len  # KV of the prompt arrives; ids are not needed
         seq = Sequence(
@@ -306,6 +311,12 @@ class DecodeRole:
         """Stop ``request_id`` and free its blocks (after the running step, if in one)."""
         req = self.requests.get(request_id)
         if req is None:
+            # Cancel and admit travel on different subjects, so a cancel can overtake the
+            # admit it cancels (e.g. both queued while this process was stopped): remember
+            # it, and refuse that admit when it comes.
+            self._cancelled[request_id] = None
+            while len(self._cancelled) > _MAX_MIGRATED_REMEMBERED:
+                self._cancelled.pop(next(iter(self._cancelled)))
             return request_id in self.migrated_to  # the runtime forwards it to the peer
         if req.phase == "receiving":
             if req.receive_task is not None:

@@ -10,6 +10,7 @@ import sys
 
 from services.common.logging import configure_logging
 from services.worker.config import WorkerConfig, default_worker_id
+from shared.errors import FluidPDError
 
 
 def build_parser(role: str) -> argparse.ArgumentParser:
@@ -141,7 +142,11 @@ def main(role: str, argv: list[str] | None = None) -> int:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except FluidPDError as exc:  # bad credentials, missing model file, ...: one clear line
+        print(f"worker {cfg.worker_id}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

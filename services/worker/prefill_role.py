@@ -241,7 +241,9 @@ class PrefillRole:
             else (),
         )
         subject = self.subjects.worker_admit(msg.decode_worker_id)
-        give_up_s = time.monotonic() + max(self.admit_timeout_s, job.deadline_s - time.monotonic())
+        # Anchored on the request's arrival: a request keeps waiting for decode capacity at
+        # most until its TTFT deadline (or admit_timeout_s after it arrived, if later).
+        give_up_s = max(job.received_s + self.admit_timeout_s, job.deadline_s)
         while not job.cancelled:
             try:
                 reply = await self.bus.request(subject, req, AdmitReply, self.admit_timeout_s)

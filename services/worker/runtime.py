@@ -83,6 +83,16 @@ class WorkerRuntime:
     async def start(self) -> None:
         cfg = self.cfg
         loop = asyncio.get_running_loop()
+        # The bus first: a wrong URL or credentials fail in seconds, before the model loads.
+        bus_cfg = BusConfig.from_url(
+            cfg.nats_url,
+            name=f"worker-{cfg.worker_id}",
+            **({"user": cfg.nats_user, "password": cfg.nats_password} if cfg.nats_user else {}),
+            **({"creds_file": cfg.nats_creds} if cfg.nats_creds else {}),
+            **({"tls_ca_file": cfg.nats_tls_ca} if cfg.nats_tls_ca else {}),
+        )
+        self.bus = Bus(bus_cfg, self.subjects, registry=self.metrics_registry)
+        await self._stack.enter_async_context(self.bus)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{cfg.worker_id}")
         self.engine = await loop.run_in_executor(self.executor, build_engine, cfg)
         fingerprint = fingerprint_of(self.engine)
@@ -105,15 +115,6 @@ class WorkerRuntime:
         )
         self._stack.callback(self.sender.close)
         self._stack.callback(self.receiver.close)
-        bus_cfg = BusConfig.from_url(
-            cfg.nats_url,
-            name=f"worker-{cfg.worker_id}",
-            **({"user": cfg.nats_user, "password": cfg.nats_password} if cfg.nats_user else {}),
-            **({"creds_file": cfg.nats_creds} if cfg.nats_creds else {}),
-            **({"tls_ca_file": cfg.nats_tls_ca} if cfg.nats_tls_ca else {}),
-        )
-        self.bus = Bus(bus_cfg, self.subjects, registry=self.metrics_registry)
-        await self._stack.enter_async_context(self.bus)
         self.sequencer = StreamSequencer(cfg.worker_id)
         self.streamer = TokenStreamer(self.sequencer)
         self.decode = DecodeRole(

@@ -136,11 +136,28 @@ class Bus:
             error_cb=self._on_error,
         )
         nc = Client()
-        try:
-            await asyncio.wait_for(nc.connect(**options), cfg.initial_connect_deadline_s)
-        except (TimeoutError, nats.errors.Error, OSError) as exc:
-            await nc.close()
-            raise BusConnectionError(f"cannot connect to NATS ({type(exc).__name__})") from None
+        self._refused = asyncio.get_running_loop().create_future()
+        connect = asyncio.ensure_future(nc.connect(**options))
+        # Not asyncio.wait_for: on 3.11 it can swallow the cancel of nats-py's reconnect loop
+        # and hang; racing explicit futures lets us close the client and move on.
+        done, _ = await asyncio.wait(
+            {connect, self._refused},
+            timeout=cfg.initial_connect_deadline_s,
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        failure: str | None = None
+        if self._refused in done:
+            failure = f"cannot connect to NATS: the server refused us ({self._refused.result()})"
+        elif connect not in done:
+            failure = f"cannot connect to NATS within {cfg.initial_connect_deadline_s} s"
+        elif connect.exception() is not None:
+            exc = connect.exception()
+            failure = f"cannot connect to NATS ({type(exc).__name__}: {exc})"
+        if failure is not None:
+            await nc.close()  # stops nats-py's reconnect loop
+            connect.cancel()
+            await asyncio.wait({connect}, timeout=2.0)
+            raise BusConnectionError(failure)
         self._nc = nc
         server_max = self._nc.max_payload
         if server_max and server_max < self.max_message_bytes:
@@ -207,7 +224,21 @@ class Bus:
             log.warning("bus.disconnected")
 
     async def _on_error(self, exc: Exception) -> None:
-        log.info("bus.connection_error", error=type(exc).__name__)
+        text = str(exc) or type(exc).__name__
+        log.info("bus.connection_error", error=type(exc).__name__, detail=text[:200])
+        refused = getattr(self, "_refused", None)
+        # Bad credentials will not get better by retrying: fail the first connect at once.
+        if (
+            refused is not None
+            and not refused.done()
+            and self._nc is None
+            and (
+                "authorization" in text.lower()
+                or "authentication" in text.lower()
+                or isinstance(exc, nats.errors.AuthorizationError)
+            )
+        ):
+            refused.set_result(text[:200])
 
     # --- sending --------------------------------------------------------------------------
     def _encode(self, msg: Message) -> bytes:
