@@ -46,6 +46,13 @@ class NoFreeBlocksError(FluidPDError):
         self.free_blocks = free_blocks
 
 
+class WorkerNotActiveError(FluidPDError):
+    """This worker is draining or switching roles: send the work elsewhere (retryable)."""
+
+    code = "worker_not_active"
+    http_status = 503
+
+
 class BlockStateError(FluidPDError):
     """A block-manager call that breaks ownership rules (double free, unknown owner, ...)."""
 

@@ -30,8 +30,6 @@ from typing import Any
 import pytest
 
 from services.bench.shift import (
-    D2P,
-    P2D,
     POLICY,
     ShiftSetup,
     expected_counts,
@@ -39,6 +37,7 @@ from services.bench.shift import (
     shift_phases,
     switch_counts,
 )
+from shared.policy.fluidrole import D2P, P2D
 
 pytestmark = pytest.mark.timeout(240)
 INTERVAL_S = POLICY.decision_interval_s
@@ -67,7 +66,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             f"phase {label} [{ph['start_s']}, {ph['end_s']}) s: max PPI̅ {ph['max_ppi_bar']}, "
             f"max DPI̅_load {ph['max_dpi_load_bar']}, max DPI̅_adm {ph['max_dpi_adm_bar']}, "
             f"first PPI>PPI_high in telemetry {ph['first_ppi_over_high_s']}, "
-            f"first eq22 {ph['first_eq22_s']}, first eq23 {ph['first_eq23_s']}, "
+            f"first D→P signal {ph['first_d2p_signal_s']}, "
+            f"first P→D signal {ph['first_p2d_signal_s']}, "
             f"reasons {ph['reasons']}"
         )
     return result
@@ -108,8 +108,8 @@ def test_mix_shift_switches_roles_and_back(run: dict[str, Any]) -> None:
     back = [s for s in run["switches"] if s["action"] == P2D and s["phase"] == "C"]
     assert d2p["phase"] == "B" and len(back) == 1
     # The prefill pressure that triggered D→P appeared in B, not earlier.
-    assert phases["B"]["first_eq22_s"] is not None
-    assert phases["A"]["first_eq22_s"] is None and phases["C"]["first_eq22_s"] is None
+    assert phases["B"]["first_d2p_signal_s"] is not None
+    assert phases["A"]["first_d2p_signal_s"] is None and phases["C"]["first_d2p_signal_s"] is None
     assert phases["B"]["layout_end"] == [2, 2] and phases["C"]["layout_end"] == [1, 3]
     pressure_s = phases["B"]["first_ppi_over_high_s"]
     print(

@@ -5,7 +5,7 @@ decode-heavy) against router, workers and controller as separate processes; the 
 runs with ``--auto`` and a policy file. The bench watches what the controller publishes
 (``ControllerDecision`` every interval) and what the workers publish (``StateEvent``s of
 every switch, telemetry), and reports per phase the switches taken, when their pressure
-first held (eq. 22 / 23 from the decision's own inputs), the decision lag in intervals and
+first held (eq. 22 / 23 recomputed from the decision's own inputs), the decision lag in intervals and
 the drain time; after the load it waits until every worker is idle and reports its free
 KV blocks. Last stdout line: one JSON object (``goal_met``: the switch counts per phase are
 the expected ones, no request failed, every worker ended idle with all blocks free).
@@ -36,9 +36,9 @@ from shared.bus import Bus
 from shared.bus.config import BusConfig
 from shared.messages import ControllerDecision, StateEvent, Subjects, WorkerTelemetry
 from shared.policy.config import PolicyConfig
+from shared.policy.fluidrole import D2P, P2D, recommend
 
 TINY_VOCAB = 356  # the "tiny" tokenizer's vocabulary (prompt ids are drawn below it)
-D2P, P2D = "decode_to_prefill", "prefill_to_decode"
 
 
 @dataclass(frozen=True)
@@ -179,14 +179,10 @@ class Observer:
         )
 
 
-def eq22(inputs: dict[str, float], cfg: PolicyConfig) -> bool:
-    """Eq. 22 on a decision's published inputs (prefill pressure, decode has room)."""
-    return inputs["ppi_bar"] > cfg.ppi_high and inputs["dpi_load_bar"] < cfg.dpi_load_high
-
-
-def eq23(inputs: dict[str, float], cfg: PolicyConfig) -> bool:
-    """Eq. 23 on a decision's published inputs (decode admission pressure, prefill idle)."""
-    return inputs["dpi_adm_bar"] > cfg.dpi_adm_high and inputs["ppi_bar"] < cfg.ppi_low
+def recommendation(inputs: dict[str, float], cfg: PolicyConfig) -> str:
+    """What eq. 22/23 (with the product's extensions) recommend on a decision's published
+    inputs: D2P, P2D or "none". Gates (cooldown, persistence, one at a time) not applied."""
+    return recommend(inputs["ppi_bar"], inputs["dpi_load_bar"], inputs["dpi_adm_bar"], cfg)[0]
 
 
 def _switch_row(obs: Observer, k: int, cfg: PolicyConfig) -> dict[str, Any]:
@@ -195,16 +191,15 @@ def _switch_row(obs: Observer, k: int, cfg: PolicyConfig) -> dict[str, Any]:
     ``onset`` is the first decision of the run of ``persisting_*`` decisions right before
     the switch (the first interval the policy counted); ``held_since`` the first of the
     consecutive decisions whose inputs satisfied the equation (it can be earlier when a
-    cooldown was running). Times are this process's monotonic clock.
+    cooldown was running) — the recommendation recomputed from each decision's inputs. Times are this process's monotonic clock.
     """
     decisions = obs.decisions
     t_dec, d = decisions[k]
-    held = eq22 if d.action == D2P else eq23
     run = 0
     while k - run - 1 >= 0 and decisions[k - run - 1][1].reason.startswith("persisting_"):
         run += 1
     since = k
-    while since - 1 >= 0 and held(decisions[since - 1][1].inputs, cfg):
+    while since - 1 >= 0 and recommendation(decisions[since - 1][1].inputs, cfg) == d.action:
         since -= 1
     mine = [(t, e) for t, e in obs.events if e.publisher_id == d.target_worker_id and t >= t_dec]
     drain_t = next((t for t, e in mine if e.to_state == "drain"), None)
@@ -248,8 +243,17 @@ def analyse(
     for label, start, end in bounds:
         inside = [d for t, d in decisions if start <= t - t0 < end]
         mine = [s for s in switches if s["phase"] == label]
-        t22 = next((t for t, d in decisions if start <= t - t0 < end and eq22(d.inputs, cfg)), None)
-        t23 = next((t for t, d in decisions if start <= t - t0 < end and eq23(d.inputs, cfg)), None)
+        first = {
+            action: next(
+                (
+                    round(t - t0, 3)
+                    for t, d in decisions
+                    if start <= t - t0 < end and recommendation(d.inputs, cfg) == action
+                ),
+                None,
+            )
+            for action in (D2P, P2D)
+        }
         t_ppi = next(
             (t for t, v in obs.prefill_ppi if start <= t - t0 < end and v > cfg.ppi_high), None
         )
@@ -259,8 +263,9 @@ def analyse(
             "decisions": len(inside),
             "switches_d2p": sum(s["action"] == D2P for s in mine),
             "switches_p2d": sum(s["action"] == P2D for s in mine),
-            "first_eq22_s": None if t22 is None else round(t22 - t0, 3),
-            "first_eq23_s": None if t23 is None else round(t23 - t0, 3),
+            # First decision whose inputs recommend a switch (eq. 22 / eq. 23), gated or not.
+            "first_d2p_signal_s": first[D2P],
+            "first_p2d_signal_s": first[P2D],
             # First telemetry (any prefill worker, instantaneous) with PPI > PPI_high.
             "first_ppi_over_high_s": None if t_ppi is None else round(t_ppi - t0, 3),
             "reasons": _count(d.reason for d in inside),

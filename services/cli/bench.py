@@ -14,6 +14,7 @@ _BENCHES = {
     "replay": "services.bench.replay",
     "soak": "services.bench.soak",
     "fluidtoken": "services.bench.fluidtoken",
+    "shift": "services.bench.shift",
     "sim": "services.bench.sim",
 }
 

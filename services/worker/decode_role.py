@@ -89,7 +89,9 @@ class DecodeRole:
         self.chunk_budget: Callable[[], int] | None = None
         self.requests: dict[str, DecodeRequest] = {}
         self.migrated_to: dict[str, str] = {}
-        self._cancelled: dict[str, None] = {}  # ids cancelled before their admit arrived  # request id -> peer that now decodes it
+        self._cancelled: dict[
+            str, None
+        ] = {}  # ids cancelled before their admit arrived  # request id -> peer that now decodes it
         self.runnable: list[DecodeRequest] = []
         self._in_step: set[str] = set()
         self._doomed: set[str] = set()

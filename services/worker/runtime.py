@@ -31,7 +31,7 @@ from services.worker.token_stream import TokenStreamer
 from shared.bus import Bus
 from shared.bus.config import BusConfig
 from shared.bus.registry import RegistryConfig, RegistryWatcher, WorkerRegistration
-from shared.errors import InvalidRequestError
+from shared.errors import WorkerNotActiveError
 from shared.messages import (
     Ack,
     AdmitReply,
@@ -232,7 +232,7 @@ class WorkerRuntime:
     async def _on_prefill(self, msg: PrefillRequest) -> Ack:
         if self.state != "active":
             # Routers only pick Active workers; this is the race with a state change.
-            raise InvalidRequestError(f"worker {self.cfg.worker_id} is {self.state}")
+            raise WorkerNotActiveError(f"worker {self.cfg.worker_id} is {self.state}")
         seed = msg.sampling.seed if msg.sampling.seed is not None else 0
         if self.role == "prefill" and msg.decode_worker_id != self.cfg.worker_id:
             self.prefill.enqueue(msg, seed)
