@@ -18,6 +18,7 @@ from typing import Any
 from services.bench.loadgen import PlannedRequest, run_open_loop, summarize
 from services.common.cluster import Cluster, ClusterSpec
 from services.common.nats_server import free_port
+from shared.policy.config import PolicyConfig
 
 
 def burst_plan(
@@ -41,6 +42,18 @@ def run_config(
     fluidtoken: bool, plan: list[PlannedRequest], args: argparse.Namespace, log_dir: Path
 ) -> dict[str, Any]:
     worker_args = ("--max-num-seqs", "256") + (() if fluidtoken else ("--no-fluidtoken",))
+    run_dir = log_dir / ("on" if fluidtoken else "off")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # The workers judge pressure against the SLOs on the compressed clock (their profile is
+    # scaled by time_scale too); budgets may age a little longer than the 100 ms default
+    # because 2 shared cores delay telemetry.
+    policy = PolicyConfig(
+        ttft_ms=args.slo_ttft_ms * args.time_scale,
+        tpot_ms=args.slo_tpot_ms * args.time_scale,
+        budget_stale_ms=500.0,
+    )
+    policy_path = run_dir / "policy.json"
+    policy_path.write_text(json.dumps(policy.to_dict()))
     spec = ClusterSpec(
         prefill=1,
         decode=1,
@@ -51,7 +64,8 @@ def run_config(
         time_scale=args.time_scale,
         worker_args=worker_args,
         auto_policy=False,
-        log_dir=log_dir / ("on" if fluidtoken else "off"),
+        policy_config=str(policy_path),
+        log_dir=run_dir,
     )
     cluster = Cluster(spec)
     cluster.start()

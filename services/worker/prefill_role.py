@@ -49,6 +49,7 @@ class PrefillJob:
     received_s: float  # our monotonic clock
     deadline_s: float  # our monotonic clock
     seed: int
+    arrival_s: float = 0.0  # our monotonic clock: when the router received the request
     cancelled: bool = False
     timestamps: dict[str, float] = field(default_factory=dict)
 
@@ -117,7 +118,7 @@ class PrefillRole:
         now = time.monotonic()
         budget_s = max(0.0, msg.ttft_deadline_s - msg.arrival_time_s)
         waited_s = max(0.0, time.time() - msg.arrival_time_s)
-        job = PrefillJob(msg, now, now + budget_s - waited_s, seed)
+        job = PrefillJob(msg, now, now + budget_s - waited_s, seed, arrival_s=now - waited_s)
         job.timestamps["queued_s"] = time.time()
         self.queue.append(job)
         self.jobs[msg.request_id] = job

@@ -124,9 +124,9 @@ class Telemetry:
 
     # ---------------------------------------------------------------- policies
     def _queue_view(self, jobs: list[PrefillJob]) -> list[QueuedRequest]:
-        ttft_s = self.policy.ttft_s
+        # Deadlines follow the policy's TTFT SLO (eq. 1) from each request's real arrival.
         return [
-            QueuedRequest(j.request_id, j.deadline_s - ttft_s, j.prompt_len, j.msg.decode_worker_id)
+            QueuedRequest(j.request_id, j.arrival_s, j.prompt_len, j.msg.decode_worker_id)
             for j in jobs
         ]
 

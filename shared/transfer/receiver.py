@@ -176,7 +176,9 @@ class KVReceiver:
             raise
         finally:
             if error is not None:
-                await self._fail(st, error)
+                # Shielded: a second cancel (the caller's and our deadline's can coincide)
+                # must not abandon the clean-up halfway and leave the reservation held.
+                await asyncio.shield(self._fail(st, error))
             self._active.discard(ticket.transfer_id)
 
     # ------------------------------------------------------------------ internals
