@@ -54,6 +54,8 @@ class DecodeRequest:
     stolen_tokens: int = 0
     suffix_token_ids: tuple[int, ...] = ()
     migrating: bool = False
+    ticket: Any = None
+    receive_started: bool = False
     timestamps: dict[str, float] = field(default_factory=dict)
 
 
@@ -161,6 +163,7 @@ class DecodeRole:
         if suffix_len:
             req.suffix_token_ids = tuple(msg.suffix_token_ids)
         self.requests[msg.request_id] = req
+        req.ticket = ticket
         req.receive_task = asyncio.ensure_future(self._receive(req, ticket))
         return AdmitReply(
             ok=True,
@@ -170,6 +173,7 @@ class DecodeRole:
         )
 
     async def _receive(self, req: DecodeRequest, ticket: Any) -> None:
+        req.receive_started = True  # from here on the receiver owns the reservation
         try:
             got = await self.receiver.receive(ticket, timeout_s=self.transfer_timeout_s)
         except TransferError as exc:
@@ -253,6 +257,7 @@ class DecodeRole:
         seq.output_token_ids = list(msg.generated_token_ids)
         req = DecodeRequest(msg.request_id, msg.tokens_subject, seq, time.time())
         self.requests[msg.request_id] = req
+        req.ticket = ticket
         req.receive_task = asyncio.ensure_future(self._receive(req, ticket))
         return AdmitReply(
             ok=True,
