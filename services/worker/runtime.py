@@ -51,6 +51,9 @@ from shared.transfer.ucx_node import TransferNode
 
 log = structlog.get_logger(__name__)
 
+# Used only when no cluster secret is configured (a warning is logged): local development.
+_INSECURE_DEFAULT_SECRET = b"fluidpd-insecure-default-secret"
+
 
 class WorkerRuntime:
     """A worker process's services. Use as ``async with WorkerRuntime(cfg) as rt``."""
@@ -99,7 +102,7 @@ class WorkerRuntime:
         self.node = TransferNode()
         await self.node.start()
         self._stack.push_async_callback(self.node.close)
-        secret = cfg.secret_bytes or b"fluidpd-insecure-default-secret"
+        secret = self.secret = cfg.secret_bytes or _INSECURE_DEFAULT_SECRET
         if not cfg.secret_bytes:
             log.warning("no_cluster_secret", hint="set FLUIDPD_CLUSTER_SECRET in production")
         self.sender = KVSender(

@@ -224,7 +224,7 @@ async def migrate_out(rt: WorkerRuntime, request_id: str, peers: list[str]) -> b
             continue
         if not reply.ok:
             continue
-        ticket = TransferTicket.decode(reply.ticket, rt.cfg.secret_bytes or _DEFAULT_SECRET)
+        ticket = TransferTicket.decode(reply.ticket, rt.secret)
         table = rt.engine.block_manager.block_table(request_id)[: ticket.num_blocks]
         try:
             await rt.sender.send(
@@ -244,6 +244,3 @@ async def migrate_out(rt: WorkerRuntime, request_id: str, peers: list[str]) -> b
         return True
     dec.unfreeze(req)
     return False
-
-
-_DEFAULT_SECRET = b"fluidpd-insecure-default-secret"
