@@ -52,8 +52,9 @@ def test_chunked_prefill_equals_unsplit(engine: Engine, length: int, data: st.Da
     engine.forward([StepInput("s", ids[:split], 0, table_b)])
     got = engine.forward([StepInput("s", ids[split:], split, table_b)])[0]
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
-    torch.testing.assert_close(_kv(engine, table_b, length), _kv(engine, table_a, length),
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        _kv(engine, table_b, length), _kv(engine, table_a, length), rtol=0, atol=1e-5
+    )
 
 
 def test_shuffled_block_table_equals_contiguous(engine: Engine) -> None:
@@ -95,7 +96,9 @@ def test_mixed_length_batch_equals_each_alone(engine: Engine) -> None:
         [StepInput(f"m{i}", [toks[i]], len(p), tables[i]) for i, p in enumerate(prompts)]
     )
     for i, p in enumerate(prompts):
-        lone = _logits_unsplit(engine, [*p, toks[i]], list(range(230, 230 + -(-(len(p) + 1) // BLOCK))))
+        lone = _logits_unsplit(
+            engine, [*p, toks[i]], list(range(230, 230 + -(-(len(p) + 1) // BLOCK)))
+        )
         torch.testing.assert_close(dec[i], lone, rtol=0, atol=1e-5)
 
 
@@ -118,13 +121,17 @@ def test_seeded_sampling_is_deterministic_and_batch_independent(engine: Engine) 
     rng = random.Random(5)
     vocab = engine.model_config.vocab_size
     prompts = [_prompt(rng, 9, vocab), _prompt(rng, 21, vocab)]
-    params = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=1234,
-                            ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
     a = generate(engine, prompts, params)
     b = generate(engine, prompts[1:], params)
     assert a[1].token_ids == b[0].token_ids
-    other = generate(engine, prompts[1:], SamplingParams(max_tokens=10, temperature=1.0, seed=99,
-                                                         ignore_eos=True))
+    other = generate(
+        engine,
+        prompts[1:],
+        SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True),
+    )
     assert other[0].token_ids != b[0].token_ids
 
 

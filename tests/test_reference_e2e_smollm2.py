@@ -21,11 +21,15 @@ N = 16
 
 
 @pytest.fixture(scope="module")
-def cluster(nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def cluster(
+    nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("smollm2-logs")
     args = ("--model", "smollm2-135m", "--num-kv-blocks", "64", "--threads", "1")
-    procs = [start_worker("prefill", "p0", nats_server_module.url, *args, log_dir=logs),
-             start_worker("decode", "d0", nats_server_module.url, *args, log_dir=logs)]
+    procs = [
+        start_worker("prefill", "p0", nats_server_module.url, *args, log_dir=logs),
+        start_worker("decode", "d0", nats_server_module.url, *args, log_dir=logs),
+    ]
     try:
         yield nats_server_module.url
     finally:
@@ -43,8 +47,7 @@ async def client(cluster: str) -> AsyncIterator[BusClient]:
 def expected() -> list[tuple[list[int], list[int]]]:
     engine = Engine.load(EngineConfig(model="smollm2-135m", num_kv_blocks=64))
     tok = engine.tokenizer
-    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}]))
-           for p in PROMPTS]
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in PROMPTS]
     outs = generate(engine, ids, SamplingParams(max_tokens=N, ignore_eos=True))
     return [(i, o.token_ids) for i, o in zip(ids, outs, strict=True)]
 
