@@ -82,6 +82,10 @@ class Dispatcher:
         for item in batch.items:
             entry = self.in_flight.get(item.request_id)
             if entry is not None:
+                if batch.publisher_id not in (entry.prefill_id, entry.decode_id):
+                    # A live migration moved the request to another decode worker: that
+                    # worker now holds it (for worker-loss handling).
+                    entry.decode_id = batch.publisher_id
                 entry.stream.offer(item, now)
 
     def on_registry_change(self, change: RegistryChange) -> None:
