@@ -35,12 +35,13 @@ from shared.engine.engine import SampleSpec
 from shared.engine.sequence import Sequence, finish_reason_after
 from shared.errors import NoFreeBlocksError
 from shared.messages import AdmitReply, AdmitRequest, MigrateRequest, PrefillRequest, TokenItem
+from shared.messages import SamplingParams as WireParams
 from shared.transfer.errors import TransferError
 from shared.transfer.receiver import KVReceiver
 
 log = structlog.get_logger(__name__)
 
-_MAX_MIGRATED_REMEMBERED = 4096  # cancels for older migrated requests are not forwarded
+_MAX_REMEMBERED_IDS = 4096  # bounded memory of migrated / early-cancelled request ids
 
 
 @dataclass(eq=False)
@@ -120,6 +121,47 @@ class DecodeRole:
         )
         return self.bm.blocks_for_tokens(total)
 
+    @staticmethod
+    def _sequence(request_id: str, prompt: list[int], sampling: WireParams) -> Sequence:
+        """A request's Sequence with the seed the router resolved (so every worker agrees)."""
+        seed = sampling.seed if sampling.seed is not None else -1
+        return Sequence(request_id, prompt, engine_params(sampling), seed=seed)
+
+    def _reserve(
+        self,
+        request_id: str,
+        prompt_len: int,
+        kv_tokens: int,
+        sampling: WireParams,
+        tokens_subject: str,
+    ) -> tuple[DecodeRequest | None, AdmitReply | None]:
+        """Reserve blocks for a request whose first ``kv_tokens`` of KV will arrive, and
+        post its receive. Returns (request, None), or (None, refusal) when the pool is short.
+        The prompt's token ids are placeholders: only its KV arrives."""
+        try:
+            ticket = self.receiver.prepare(
+                request_id,
+                num_tokens=kv_tokens,
+                num_blocks=self._blocks_for_request(prompt_len, sampling.max_tokens),
+            )
+        except NoFreeBlocksError as exc:
+            if exc.needed_blocks > self.bm.num_blocks:  # can never fit: no point retrying
+                return None, AdmitReply(ok=False, error=f"request larger than the KV pool: {exc}")
+            return None, AdmitReply(ok=False, error=str(exc), retry_after_ms=50)
+        seq = self._sequence(request_id, [0] * prompt_len, sampling)
+        req = DecodeRequest(request_id, tokens_subject, seq, time.time(), ticket=ticket)
+        self.requests[request_id] = req
+        return req, None
+
+    def _start_receive(self, req: DecodeRequest, suffix_len: int = 0) -> AdmitReply:
+        req.receive_task = asyncio.ensure_future(self._receive(req, req.ticket))
+        return AdmitReply(
+            ok=True,
+            transfer_id=req.ticket.transfer_id,
+            ticket=self.receiver.encode_ticket(req.ticket),  # block ids, generations, address
+            suffix_len=suffix_len,
+        )
+
     def admit(self, msg: AdmitRequest) -> AdmitReply:
         """Reserve blocks for ``msg`` and post its KV receive. Never raises for capacity."""
         if not self.admitting:
@@ -141,36 +183,18 @@ class DecodeRole:
                 # Re-check our own budget: refuse the steal rather than overrun TPOT.
                 self.refused_steals_total += 1
                 suffix_len = 0
-        prefix_len = msg.prompt_len - suffix_len
-        try:
-            ticket = self.receiver.prepare(
-                msg.request_id,
-                num_tokens=prefix_len,
-                num_blocks=self._blocks_for_request(msg.prompt_len, msg.sampling.max_tokens),
-            )
-        except NoFreeBlocksError as exc:
-            if exc.needed_blocks > self.bm.num_blocks:  # can never fit: no point retrying
-                return AdmitReply(ok=False, error=f"request larger than the KV pool: {exc}")
-            return AdmitReply(ok=False, error=str(exc), retry_after_ms=50)
-        placeholder = [0] * msg.prompt_len  # KV of the prompt arrives; ids are not needed
-        seq = Sequence(
+        req, refusal = self._reserve(
             msg.request_id,
-            placeholder,
-            engine_params(msg.sampling),
-            seed=msg.sampling.seed if msg.sampling.seed is not None else -1,
+            msg.prompt_len,
+            msg.prompt_len - suffix_len,
+            msg.sampling,
+            msg.tokens_subject,
         )
-        req = DecodeRequest(msg.request_id, msg.tokens_subject, seq, time.time())
+        if req is None:
+            return refusal  # type: ignore[return-value]
         if suffix_len:
             req.suffix_token_ids = tuple(msg.suffix_token_ids)
-        self.requests[msg.request_id] = req
-        req.ticket = ticket
-        req.receive_task = asyncio.ensure_future(self._receive(req, ticket))
-        return AdmitReply(
-            ok=True,
-            transfer_id=ticket.transfer_id,
-            ticket=self.receiver.encode_ticket(ticket),  # block ids, generations, address
-            suffix_len=suffix_len,
-        )
+        return self._start_receive(req, suffix_len)
 
     async def _receive(self, req: DecodeRequest, ticket: Any) -> None:
         req.receive_started = True  # from here on the receiver owns the reservation
@@ -240,30 +264,13 @@ class DecodeRole:
             return AdmitReply(ok=False, error="worker is not admitting decode work")
         if msg.request_id in self.requests or len(self.requests) >= self.max_num_seqs:
             return AdmitReply(ok=False, error="cannot take this request now")
-        try:
-            ticket = self.receiver.prepare(
-                msg.request_id,
-                num_tokens=msg.num_tokens,
-                num_blocks=self._blocks_for_request(msg.prompt_len, msg.sampling.max_tokens),
-            )
-        except NoFreeBlocksError as exc:
-            return AdmitReply(ok=False, error=str(exc), retry_after_ms=50)
-        seq = Sequence(
-            msg.request_id,
-            [0] * msg.prompt_len,
-            engine_params(msg.sampling),
-            seed=msg.sampling.seed if msg.sampling.seed is not None else -1,
+        req, refusal = self._reserve(
+            msg.request_id, msg.prompt_len, msg.num_tokens, msg.sampling, msg.tokens_subject
         )
-        seq.output_token_ids = list(msg.generated_token_ids)
-        req = DecodeRequest(msg.request_id, msg.tokens_subject, seq, time.time())
-        self.requests[msg.request_id] = req
-        req.ticket = ticket
-        req.receive_task = asyncio.ensure_future(self._receive(req, ticket))
-        return AdmitReply(
-            ok=True,
-            transfer_id=ticket.transfer_id,
-            ticket=self.receiver.encode_ticket(ticket),  # block ids, generations, address
-        )
+        if req is None:
+            return refusal  # type: ignore[return-value]
+        req.seq.output_token_ids = list(msg.generated_token_ids)
+        return self._start_receive(req)
 
     async def freeze(self, request_id: str) -> DecodeRequest | None:
         """Take a runnable request out of the batch at a step boundary (for migration)."""
@@ -288,7 +295,7 @@ class DecodeRole:
         self._doomed.discard(req.request_id)
         self.migrated_to[req.request_id] = peer_id
         self.migrations_out_total += 1
-        while len(self.migrated_to) > _MAX_MIGRATED_REMEMBERED:  # bounded: oldest first
+        while len(self.migrated_to) > _MAX_REMEMBERED_IDS:  # bounded: oldest first
             self.migrated_to.pop(next(iter(self.migrated_to)))
         self._finish(req)
 
@@ -302,12 +309,7 @@ class DecodeRole:
         if not self.bm.can_allocate(blocks):
             raise NoFreeBlocksError(blocks, self.bm.num_free_blocks)
         self.bm.allocate(msg.request_id, blocks * self.bm.block_size)
-        seq = Sequence(
-            msg.request_id,
-            list(msg.prompt_token_ids),
-            engine_params(msg.sampling),
-            seed=msg.sampling.seed if msg.sampling.seed is not None else -1,
-        )
+        seq = self._sequence(msg.request_id, list(msg.prompt_token_ids), msg.sampling)
         req = DecodeRequest(msg.request_id, msg.tokens_subject, seq, time.time(), phase="runnable")
         self.requests[msg.request_id] = req
         self.runnable.append(req)
@@ -322,7 +324,7 @@ class DecodeRole:
             # admit it cancels (e.g. both queued while this process was stopped): remember
             # it, and refuse that admit when it comes.
             self._cancelled[request_id] = None
-            while len(self._cancelled) > _MAX_MIGRATED_REMEMBERED:
+            while len(self._cancelled) > _MAX_REMEMBERED_IDS:
                 self._cancelled.pop(next(iter(self._cancelled)))
             return request_id in self.migrated_to  # the runtime forwards it to the peer
         if req.phase == "receiving":

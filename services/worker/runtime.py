@@ -252,11 +252,16 @@ class WorkerRuntime:
             )
         return self.decode.admit(msg)
 
+    def active_peers(self, role: str, exclude: str = "") -> list[WorkerRecord]:
+        """Active workers of ``role`` in the registry, other than this one (and ``exclude``)."""
+        skip = {self.cfg.worker_id, exclude}
+        return [
+            r for r in self.watcher.workers(role=role, state="active") if r.worker_id not in skip
+        ]
+
     def pick_decode_worker(self, current: str) -> str | None:
         """An Active decode worker other than ``current`` (most KV blocks first), or None."""
-        candidates = [
-            r for r in self.watcher.workers(role="decode", state="active") if r.worker_id != current
-        ]
+        candidates = self.active_peers("decode", exclude=current)
         if not candidates:
             return None
         return max(candidates, key=lambda r: r.kv_total_blocks).worker_id

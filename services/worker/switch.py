@@ -54,12 +54,7 @@ class RoleSwitcher:
             return SwitchReply(ok=False, error=f"a switch is already running (state {rt.state})")
         if cmd.role == rt.role:
             return SwitchReply(ok=False, error=f"worker {rt.cfg.worker_id} is already {rt.role}")
-        others = [
-            r
-            for r in rt.watcher.workers(role=rt.role, state="active")
-            if r.worker_id != rt.cfg.worker_id
-        ]
-        if not others:
+        if not rt.active_peers(rt.role):
             return SwitchReply(ok=False, error=f"switch would leave no active {rt.role} worker")
         self.task = asyncio.ensure_future(self._run(rt.role, cmd.role))
         return SwitchReply(ok=True, from_role=rt.role, to_role=cmd.role)
@@ -133,11 +128,7 @@ class RoleSwitcher:
     async def _migrate_long_requests(self) -> None:
         rt = self.rt
         dec = rt.decode
-        peers = [
-            r.worker_id
-            for r in rt.watcher.workers(role="decode", state="active")
-            if r.worker_id != rt.cfg.worker_id
-        ]
+        peers = [r.worker_id for r in rt.active_peers("decode")]
         if not peers:
             return  # fall back to waiting, bounded by the drain deadline
         step_s = max(dec.last_step_s, 1e-3)
@@ -159,11 +150,7 @@ class RoleSwitcher:
         """Give queued prefill requests to other Active prefill workers, keeping deadlines."""
         rt = self.rt
         jobs = rt.prefill.take_queued()
-        targets = [
-            r.worker_id
-            for r in rt.watcher.workers(role="prefill", state="active")
-            if r.worker_id != rt.cfg.worker_id
-        ]
+        targets = [r.worker_id for r in rt.active_peers("prefill")]
         for i, job in enumerate(jobs):
             placed = False
             for k in range(len(targets)):
