@@ -126,7 +126,10 @@ def decode_pair(
     """A second decode worker d1 joins the cluster (for D->P with live migration)."""
     logs = tmp_path_factory.mktemp("switch-logs-d1")
     args = ("--model", "tiny", "--num-kv-blocks", "256", "--block-size", "4")
-    proc = start_worker("decode", "d1", cluster, *args, log_dir=logs)
+    # Every running request counts as long (a fast machine finishes tiny decodes in ms).
+    proc = start_worker(
+        "decode", "d1", cluster, *args, "--migrate-min-remaining-s", "0", log_dir=logs
+    )
     try:
         yield "d1"
     finally:

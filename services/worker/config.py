@@ -56,6 +56,8 @@ class WorkerConfig:
     policy_config: str = ""
     recalibrate: bool = True  # refit the latency profile online from observed step times
     migrate: bool = True  # D->P switch: live-migrate long decodes to peers instead of waiting
+    # ... those expected to need longer than this to finish (the rest finish in place).
+    migrate_min_remaining_s: float = 0.2
     metrics_port: int = 0  # 0: no /metrics HTTP server
     metrics_host: str = "127.0.0.1"
     host: str = field(default_factory=socket.gethostname)
@@ -68,6 +70,8 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.migrate_min_remaining_s < 0:
+            raise ValueError("migrate_min_remaining_s must be >= 0")
         if self.force_steal_ratio >= 1.0:
             raise ValueError("force_steal_ratio must be < 1 (a prefix of one token at least)")
         if self.prefill_batch_size <= 0 or self.max_num_seqs <= 0:

@@ -63,6 +63,12 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         "--no-fluidtoken", action="store_true", default=env("FLUIDPD_FLUIDTOKEN", "1") == "0"
     )
     p.add_argument(
+        "--migrate-min-remaining-s",
+        type=float,
+        default=float(env("FLUIDPD_MIGRATE_MIN_REMAINING_S", "0.2")),
+        help="on a D->P switch, migrate decodes expected to run longer than this",
+    )
+    p.add_argument(
         "--no-migrate",
         action="store_true",
         default=env("FLUIDPD_MIGRATE", "1") == "0",
@@ -109,6 +115,7 @@ def config_from_args(role: str, argv: list[str] | None) -> WorkerConfig:
         transfer_timeout_s=a.transfer_timeout_s,
         fluidtoken=not a.no_fluidtoken,
         migrate=not a.no_migrate,
+        migrate_min_remaining_s=a.migrate_min_remaining_s,
         force_steal_ratio=a.force_steal_ratio,
         kv_zero_on_free=a.kv_zero_on_free,
         cluster_secret=os.environ.get("FLUIDPD_CLUSTER_SECRET", ""),

@@ -164,7 +164,9 @@ class WorkerRuntime:
             s.worker_cancel(wid), CancelRequest, self._on_cancel, max_concurrency=64
         )
         self.prefill.repair = self.pick_decode_worker
-        self.switcher = RoleSwitcher(self, migrate=cfg.migrate)
+        self.switcher = RoleSwitcher(
+            self, migrate=cfg.migrate, migrate_min_remaining_s=cfg.migrate_min_remaining_s
+        )
         await self.bus.serve(s.worker_switch(wid), SwitchCommand, self.switcher.on_switch)
         await self.bus.serve(
             s.worker_migrate(wid), MigrateRequest, self._on_migrate, max_concurrency=16
