@@ -131,6 +131,6 @@ async def test_cancel_mid_decode_frees_blocks(client: BusClient) -> None:
             len(client.results.get(rid, None).token_ids) > 3 if rid in client.results else False
         )
     )
-    await client.cancel(rid, "p0", "d0")
+    await client.cancel(rid, ["p0", "d0"])
     await _all_blocks_free(client)
     assert client.results[rid].finish_reason is None  # never finished: it was cancelled

@@ -1,4 +1,4 @@
-"""A router stand-in for benchmarks: talks to workers over the bus only (no HTTP).
+"""A router stand-in for benchmarks and tests: talks to workers over the bus only (no HTTP).
 
 ``BenchBusClient`` submits ``PrefillRequest``s to a chosen prefill/decode pair and records,
 per request, every streamed token with its receive time (perf counter and wall clock) and
@@ -25,6 +25,8 @@ from shared.messages import (
     PrefillRequest,
     SamplingParams,
     StateEvent,
+    StatusReply,
+    StatusRequest,
     Subjects,
     SwitchCommand,
     SwitchReply,
@@ -62,8 +64,17 @@ class ReceivedEvent:
 class BenchBusClient:
     """Use as ``async with BenchBusClient(nats_url) as c``."""
 
-    def __init__(self, nats_url: str, subject_prefix: str = "fluidpd") -> None:
+    def __init__(
+        self,
+        nats_url: str,
+        subject_prefix: str = "fluidpd",
+        *,
+        ttft_budget_s: float = 30.0,
+        ack_timeout_s: float = 5.0,
+    ) -> None:
         self.subjects = Subjects(subject_prefix)
+        self.ttft_budget_s = ttft_budget_s
+        self.ack_timeout_s = ack_timeout_s
         self.router_id = f"bench{uuid.uuid4().hex[:8]}"
         self.bus = Bus(BusConfig.from_url(nats_url, name=self.router_id), self.subjects)
         self.streams: dict[str, StreamRecord] = {}
@@ -142,7 +153,18 @@ class BenchBusClient:
             lambda w: want <= {r.worker_id for r in w.workers(state="active")}, timeout_s
         )
 
-    async def result(self, rid: str, timeout_s: float) -> StreamRecord:
+    async def wait_telemetry(
+        self, predicate: Callable[[dict[str, WorkerTelemetry]], bool], timeout_s: float = 20.0
+    ) -> None:
+        """Return once ``predicate(self.telemetry)`` holds. Raises TimeoutError."""
+        await self.wait_until(lambda: predicate(self.telemetry), timeout_s)
+
+    @property
+    def results(self) -> dict[str, StreamRecord]:
+        """Every submitted request's record, by request id (live view)."""
+        return self.streams
+
+    async def result(self, rid: str, timeout_s: float = 60.0) -> StreamRecord:
         st = self.streams[rid]
         await asyncio.wait_for(st.done.wait(), timeout_s)
         return st
@@ -156,10 +178,15 @@ class BenchBusClient:
         max_tokens: int,
         *,
         seed: int = 1,
-        ttft_budget_s: float = 30.0,
+        temperature: float = 0.0,
+        ignore_eos: bool = True,
+        steal_ratio: float | None = None,
+        ttft_budget_s: float | None = None,
     ) -> str:
-        """Send one greedy request (ignore_eos) to ``prefill_id`` paired with ``decode_id``.
+        """Send one request to ``prefill_id`` paired with ``decode_id`` (greedy and
+        ignore_eos unless told); ``steal_ratio`` forces a FluidToken split of that share.
         Raises BusError when the worker does not take it."""
+        budget_s = self.ttft_budget_s if ttft_budget_s is None else ttft_budget_s
         rid = uuid.uuid4().hex[:12]
         now = time.time()
         msg = PrefillRequest(
@@ -167,20 +194,29 @@ class BenchBusClient:
             router_id=self.router_id,
             prompt_token_ids=tuple(prompt),
             sampling=SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, seed=seed, ignore_eos=True
+                max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=ignore_eos
             ),
             decode_worker_id=decode_id,
             arrival_time_s=now,
-            ttft_deadline_s=now + ttft_budget_s,
+            ttft_deadline_s=now + budget_s,
             tokens_subject=self.subjects.router_tokens(self.router_id),
+            force_steal_ratio=steal_ratio,
         )
         self.streams[rid] = StreamRecord(rid, time.perf_counter(), now)
-        await self.bus.request(self.subjects.worker_prefill(prefill_id), msg, Ack, 5.0)
+        await self.bus.request(
+            self.subjects.worker_prefill(prefill_id), msg, Ack, self.ack_timeout_s
+        )
         return rid
 
     async def cancel(self, rid: str, worker_ids: Sequence[str]) -> None:
         for wid in worker_ids:
             await self.bus.publish(self.subjects.worker_cancel(wid), CancelRequest(request_id=rid))
+
+    async def status(self, timeout_s: float = 5.0) -> StatusReply:
+        """The controller's cluster status. Raises BusError / TimeoutError."""
+        return await self.bus.request(
+            self.subjects.controller_status(), StatusRequest(), StatusReply, timeout_s
+        )
 
     async def switch(self, worker_id: str, role: Role, timeout_s: float = 5.0) -> SwitchReply:
         return await self.bus.request(

@@ -173,31 +173,7 @@ class Cluster:
                 "controller", argv + list(spec.controller_args), CONTROLLER_READY
             )
         for worker_id, role in spec.worker_ids():
-            argv = [
-                py,
-                "-m",
-                f"services.{role}_worker",
-                "--id",
-                worker_id,
-                "--nats",
-                self.nats_url,
-                "--model",
-                spec.model,
-                "--engine",
-                spec.engine,
-                *log_flags,
-            ]
-            if spec.profile:
-                argv += ["--profile", spec.profile]
-            if spec.threads:
-                argv += ["--threads", str(spec.threads)]
-            if spec.time_scale is not None:
-                argv += ["--time-scale", str(spec.time_scale)]
-            if spec.policy_config:
-                argv += ["--policy-config", spec.policy_config]
-            self.workers[worker_id] = self._child(
-                worker_id, argv + list(spec.worker_args), WORKER_READY
-            )
+            self.add_worker(worker_id, role)
         if spec.with_router:
             argv = [
                 py,
@@ -215,6 +191,26 @@ class Cluster:
                 *spec.router_args,
             ]
             self.router = self._child("router", argv, ROUTER_READY)
+
+    def add_worker(self, worker_id: str, role: str) -> ChildProcess:
+        """Spawn one worker with the spec's flags (``Cluster.start`` uses it for every
+        worker; tests use it to add a replacement). Returns at once, without waiting for
+        readiness; ``stop()`` stops it too. Mutates ``self.workers``. Raises OSError."""
+        spec = self.spec
+        argv = [spec.python, "-m", f"services.{role}_worker", "--id", worker_id]
+        argv += ["--nats", self.nats_url, "--model", spec.model, "--engine", spec.engine]
+        argv += ["--log-json"] if spec.log_json else []
+        if spec.profile:
+            argv += ["--profile", spec.profile]
+        if spec.threads:
+            argv += ["--threads", str(spec.threads)]
+        if spec.time_scale is not None:
+            argv += ["--time-scale", str(spec.time_scale)]
+        if spec.policy_config:
+            argv += ["--policy-config", spec.policy_config]
+        child = self._child(worker_id, argv + list(spec.worker_args), WORKER_READY)
+        self.workers[worker_id] = child
+        return child
 
     # --- readiness ----------------------------------------------------------------------
     def _wait_for(

@@ -27,7 +27,7 @@ from typing import Any
 
 import aiohttp
 
-from services.common.cluster import WORKER_READY, Cluster, ClusterSpec, pick_port
+from services.common.cluster import Cluster, ClusterSpec, pick_port
 from tests.support.workers import BusClient
 
 TINY_VOCAB = 356  # the tiny model's vocabulary (ids 0..3 are specials)
@@ -84,15 +84,7 @@ def fault_cluster(
 def spawn_worker(cluster: Cluster, worker_id: str, role: str) -> None:
     """Start one more worker in ``cluster`` (same flags as the others); ``cluster.stop()``
     stops it too. Returns at once; wait for it with ``BusClient.wait_workers``."""
-    spec = cluster.spec
-    argv = [spec.python, "-m", f"services.{role}_worker", "--id", worker_id]
-    argv += ["--nats", cluster.nats_url, "--model", spec.model, "--engine", spec.engine]
-    if spec.time_scale is not None:
-        argv += ["--time-scale", str(spec.time_scale)]
-    argv += ["--log-json"] if spec.log_json else []
-    cluster.workers[worker_id] = cluster._child(  # same spawn as Cluster.start()
-        worker_id, argv + list(spec.worker_args), WORKER_READY
-    )
+    cluster.add_worker(worker_id, role)
 
 
 def prompt(index: int, length: int) -> list[int]:
