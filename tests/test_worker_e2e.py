@@ -17,7 +17,7 @@ from shared.engine.engine import Engine
 from shared.engine.generate import generate
 from shared.sampling_params import SamplingParams
 from tests.support.nats_server import NatsServer
-from tests.support.workers import BusClient, start_worker, stop_all
+from tests.support.workers import BusClient, worker_pair
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -28,14 +28,8 @@ def cluster(
 ) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("worker-logs")
     args = ("--model", "tiny", "--num-kv-blocks", "256", "--block-size", "4")
-    procs = [
-        start_worker("prefill", "p0", nats_server_module.url, *args, log_dir=logs),
-        start_worker("decode", "d0", nats_server_module.url, *args, log_dir=logs),
-    ]
-    try:
-        yield nats_server_module.url
-    finally:
-        assert stop_all(procs) == [0, 0], "workers must exit cleanly on SIGTERM"
+    with worker_pair(nats_server_module.url, logs, *args) as url:
+        yield url
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

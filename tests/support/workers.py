@@ -6,7 +6,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from services.bench.bus_client import BenchBusClient
@@ -59,6 +60,20 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 10.0) 
             p.kill()
             codes.append(p.wait())
     return codes
+
+
+@contextmanager
+def worker_pair(nats_url: str, log_dir: Path, *args: str) -> Iterator[str]:
+    """Prefill worker ``p0`` and decode worker ``d0`` with ``args``; yields the NATS url.
+    On exit both get SIGTERM and must exit 0 (AssertionError otherwise)."""
+    procs = [
+        start_worker("prefill", "p0", nats_url, *args, log_dir=log_dir),
+        start_worker("decode", "d0", nats_url, *args, log_dir=log_dir),
+    ]
+    try:
+        yield nats_url
+    finally:
+        assert stop_all(procs) == [0, 0], "workers must exit cleanly on SIGTERM"
 
 
 class BusClient(BenchBusClient):
