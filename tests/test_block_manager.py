@@ -97,9 +97,53 @@ def test_zero_fn_called_on_release() -> None:
     assert zeroed == [0, 1, 2, 0, 1]
 
 
+def test_lend_tail_takes_the_highest_ids_and_reclaim_returns_them() -> None:
+    bm = BlockManager(num_blocks=8, block_size=4)
+    assert bm.allocate("a", 8) == (0, 1)
+    assert bm.lend_tail(3) == range(5, 8)
+    assert (bm.num_usable_blocks, bm.num_free_blocks) == (5, 3)
+    assert bm.allocate("b", 12) == (2, 3, 4)  # the lent tail is never handed out
+    with pytest.raises(NoFreeBlocksError):
+        bm.allocate("c", 1)
+    with pytest.raises(BlockStateError):
+        bm.lend_tail(1)  # one loan at a time
+    bm.check_integrity()
+    assert bm.reclaim_lent() == 3
+    assert bm.allocate("c", 4) == (5,)  # back at the end of the free list, FIFO
+    assert bm.reclaim_lent() == 0
+    bm.check_integrity()
+
+
+def test_lend_tail_refuses_blocks_in_use_and_changes_nothing() -> None:
+    bm = BlockManager(num_blocks=4, block_size=4)
+    bm.allocate("a", 16)  # all four blocks
+    bm.free_sequence("a")
+    bm.allocate("b", 4)  # FIFO: block 0
+    bm.reserve("r", 3)  # blocks 1, 2, 3
+    with pytest.raises(BlockStateError):
+        bm.lend_tail(2)
+    assert (bm.lent_blocks, bm.num_usable_blocks) == (range(4, 4), 4)
+    with pytest.raises(ValueError):
+        bm.lend_tail(4)  # never the whole pool
+    bm.check_integrity()
+
+
 _ops = st.lists(
     st.tuples(
-        st.sampled_from(["alloc", "grow", "free", "reserve", "begin", "end", "cancel", "install"]),
+        st.sampled_from(
+            [
+                "alloc",
+                "grow",
+                "free",
+                "reserve",
+                "begin",
+                "end",
+                "cancel",
+                "install",
+                "lend",
+                "reclaim",
+            ]
+        ),
         st.integers(0, 5),
         st.integers(0, 40),
     ),
@@ -135,10 +179,16 @@ def test_invariants_under_random_operations(ops: list[tuple[str, int, int]]) -> 
             elif op == "install":
                 bm.install(name, n % 20)
                 live[name] = n % 20
+            elif op == "lend":
+                bm.lend_tail(1 + n % 11)
+            elif op == "reclaim":
+                bm.reclaim_lent()
         except (NoFreeBlocksError, BlockStateError):
             pass
         bm.check_integrity()
+        assert bm.num_free_blocks <= bm.num_usable_blocks
     # Everything released -> every block free again, none lost.
+    bm.reclaim_lent()
     for seq in bm.sequences():
         bm.free_sequence(seq)
     for owner in bm.reservations():

@@ -11,6 +11,8 @@ Block lifecycle::
     reserved --install()--> owned by a sequence (one step: the request becomes runnable)
     reserved --cancel_reservation()--> free, but only once no receive into it is posted
     owned --free_sequence()--> ref count - 1; at 0 back to free
+    free --lend_tail()--> lent out of the pool (the prefill workspace of a role switch)
+    lent --reclaim_lent()--> free
 
 Every allocation (by allocate, reserve or append) bumps the block's generation id, so a stale
 envelope or a late write that names an old generation can be detected.
@@ -77,12 +79,23 @@ class BlockManager:
         self._tables: dict[str, list[int]] = {}
         self._num_tokens: dict[str, int] = {}
         self._reservations: dict[str, _Reservation] = {}
+        self._lent: range = range(num_blocks, num_blocks)
         self.stats = BlockManagerStats()
 
     # ----------------------------------------------------------------- queries
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """The pool's capacity now: every block except those lent out (``lend_tail``)."""
+        return self.num_blocks - len(self._lent)
+
+    @property
+    def lent_blocks(self) -> range:
+        """Block ids lent out of the pool (empty range when none)."""
+        return self._lent
 
     @property
     def num_reserved_blocks(self) -> int:
@@ -273,6 +286,39 @@ class BlockManager:
         self.stats.installs_total += 1
         return tuple(res.block_ids)
 
+    # ------------------------------------------------------------------ re-slice
+    def lend_tail(self, num_blocks: int) -> range:
+        """Take the ``num_blocks`` highest block ids out of the pool (they are one
+        contiguous byte range of a block-major arena) and return them; capacity shrinks
+        by as much until ``reclaim_lent``. Mutates the free list.
+
+        Raises BlockStateError (nothing changed) if blocks are already lent or any of
+        those blocks is in use; ValueError if ``num_blocks`` is not in [1, num_blocks).
+        """
+        if not 0 < num_blocks < self.num_blocks:
+            raise ValueError(f"cannot lend {num_blocks} of {self.num_blocks} blocks")
+        if self._lent:
+            raise BlockStateError("blocks are already lent")
+        tail = range(self.num_blocks - num_blocks, self.num_blocks)
+        busy = [b for b in tail if not self._is_free[b]]
+        if busy:
+            raise BlockStateError(f"{len(busy)} of the tail blocks are in use")
+        lent = set(tail)
+        self._free = deque(b for b in self._free if b not in lent)
+        for b in tail:
+            self._is_free[b] = False
+        self._lent = tail
+        return tail
+
+    def reclaim_lent(self) -> int:
+        """Return lent blocks to the back of the free list (their generation bumps when
+        next handed out). Returns how many came back; 0 when none were lent."""
+        tail, self._lent = self._lent, range(self.num_blocks, self.num_blocks)
+        for b in tail:
+            self._is_free[b] = True
+            self._free.append(b)
+        return len(tail)
+
     # -------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant is broken. Tests call this."""
@@ -288,6 +334,8 @@ class BlockManager:
             for b in res.block_ids:
                 assert b not in reserved and b not in owned, f"block {b} held twice"
                 reserved.add(b)
+        for b in self._lent:
+            assert b not in owned and b not in reserved, f"lent block {b} is in use"
         free = list(self._free)
         free_set = set(free)
         assert len(free) == len(free_set), "duplicate in free list"
@@ -299,5 +347,6 @@ class BlockManager:
             elif b in owned:
                 assert self._ref_count[b] == owned[b], f"block {b} ref count mismatch"
             else:
-                assert b in reserved, f"block {b} leaked"
-        assert len(free) + len(owned) + len(reserved) == self.num_blocks, "blocks unaccounted"
+                assert b in reserved or b in self._lent, f"block {b} leaked"
+        accounted = len(free) + len(owned) + len(reserved) + len(self._lent)
+        assert accounted == self.num_blocks, "blocks unaccounted"
