@@ -153,11 +153,11 @@ def test_dpi_adm_counts_admission_slots_when_capped() -> None:
 
     # KV: 1000 tokens, 100 active + 100 reserved -> 0.2 of the pool held.
     assert dpi_adm(DecodeLoad(1000, 100, 100, 10)) == pytest.approx(0.2)
-    # 48 of 64 admission slots used binds first: 48/64 = 0.75.
+    # Slots below the cap: the paper's KV fraction (eq. 8), however many are used.
     assert dpi_adm(DecodeLoad(1000, 100, 100, 10, admitted_requests=48, max_requests=64)) == (
-        pytest.approx(0.75)
-    )
-    # Slots barely used: the KV fraction stays the answer.
-    assert dpi_adm(DecodeLoad(1000, 100, 100, 10, admitted_requests=1, max_requests=64)) == (
         pytest.approx(0.2)
+    )
+    # Every slot taken: nothing can be admitted, so no allocable capacity is left.
+    assert dpi_adm(DecodeLoad(1000, 100, 100, 10, admitted_requests=64, max_requests=64)) == (
+        pytest.approx(1.0)
     )

@@ -114,7 +114,7 @@ def test_fluidrole_does_not_churn_under_a_steady_mix() -> None:
 
 @pytest.mark.parametrize("name", ["static", "token", "role", "full"])
 def test_conservation_every_request_completes_once(name: str) -> None:
-    trace = build_workload("azure-staged", rps=25, window_s=150)
+    trace = build_workload("azure-staged", rps=25, requests=3000)
     cfg = config_for(name, SimConfig(migrate_on_drain=True))
     sim = Simulation(trace, cfg, PROFILE)
     res = sim.run()  # raises SimulationError if any request is left open or done twice
@@ -141,7 +141,7 @@ def test_d2p_drain_with_migration_is_shorter() -> None:
 
 
 def test_oracle_picks_a_split_per_window() -> None:
-    trace = build_workload("azure-staged", rps=15, window_s=100)
+    trace = build_workload("azure-staged", rps=15, requests=1500)
     res = run_oracle(trace, SimConfig(), PROFILE)
     splits = res.notes["oracle_splits"]
     assert set(splits) == {"0", "1", "2"}
@@ -155,14 +155,14 @@ def test_oracle_picks_a_split_per_window() -> None:
 
 
 def test_deterministic() -> None:
-    trace = build_workload("azure-mixed", rps=20, trace_offset_s=600, window_s=60)
+    trace = build_workload("azure-mixed", rps=20, trace_offset_s=600, requests=500)
     a = run_config(trace, "full", SimConfig(), PROFILE)
     b = run_config(trace, "full", SimConfig(), PROFILE)
     assert a.ttft_s == b.ttft_s and a.tpot_s == b.tpot_s and a.switches == b.switches
 
 
 def test_stricter_slo_policy_is_used() -> None:
-    trace = build_workload("azure-mixed", rps=20, trace_offset_s=600, window_s=60)
+    trace = build_workload("azure-mixed", rps=20, trace_offset_s=600, requests=500)
     strict = SimConfig(policy=PolicyConfig(ttft_ms=500.0, tpot_ms=50.0))
     a = run_config(trace, "token", strict, PROFILE).attainment(0.5, 0.05)
     b = run_config(trace, "token", SimConfig(), PROFILE).attainment(2.0, 0.1)
@@ -171,9 +171,30 @@ def test_stricter_slo_policy_is_used() -> None:
 
 def test_speed_many_requests_on_8_workers() -> None:
     # The 30k-request figure is measured by `fluidpd bench sim`; this is a generous guard.
-    trace = build_workload("azure-mixed", rps=30, window_s=1500)
-    assert len(trace) > 10_000
+    trace = build_workload("azure-staged", rps=30)  # every request of the staged workload
+    assert len(trace) == 28_185
     started = time.perf_counter()
     res = run_config(trace, "full", SimConfig(workers=8), PROFILE)
     assert res.count == len(trace)
     assert time.perf_counter() - started < 60.0
+
+
+def test_queue_timeout_aborts_requests_that_waited_too_long() -> None:
+    # 60 prompts of 6000 tokens at once on 1P1D: ~0.58 s of prefill each, so the tail of the
+    # queue waits ~35 s. With a 10 s queue timeout (SGLang aborts after 60 s) the requests
+    # still queued after 10 s are dropped without prefill; the rest complete.
+    trace = uniform(60, 1000.0, 6000, 4)
+    base = run_config(trace, "static", SimConfig(workers=2), PROFILE)
+    sim = Simulation(
+        trace, config_for("static", SimConfig(workers=2, queue_timeout_s=10.0)), PROFILE
+    )
+    res = sim.run()
+    check_conservation(sim)
+    failed = sum(1 for r in sim.reqs if r.failed)
+    t_pre = PROFILE.prefill_time_s(6000)
+    assert sum(1 for r in base.ttft_s if r >= 0) == 60  # without it, everything completes
+    # Started within 10 s of arrival: about 10 / t_pre requests (+1 for the one running).
+    started = 60 - failed
+    assert abs(started - (int(10.0 / t_pre) + 1)) <= 1
+    assert all(r.t_first < 0 for r in sim.reqs if r.failed)
+    assert res.count == 60

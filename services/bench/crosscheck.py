@@ -26,7 +26,7 @@ from typing import Any
 from services.bench.loadgen import PlannedRequest
 from services.bench.replay import scaled_policy, scaled_profile
 from services.bench.replay_run import RunSpec, run_once
-from services.bench.workloads import STAGED, WORKLOADS, build_workload, window_of
+from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, build_workload, window_of
 from services.sim.config import SimConfig
 from services.sim.run import run_config
 from shared.engine.profiles import load_profile
@@ -49,7 +49,12 @@ def sim_point(
     cfg: str, rps: float, args: argparse.Namespace, policy: PolicyConfig
 ) -> dict[str, Any]:
     trace = build_workload(
-        args.workload, rps=rps, requests=args.requests, trace_offset_s=args.trace_offset
+        args.workload,
+        rps=rps,
+        requests=args.requests,
+        trace_offset_s=args.trace_offset,
+        arrival=args.arrival,
+        seed=args.seed,
     )
     base = SimConfig(
         workers=args.workers, policy=policy, max_num_seqs=args.max_num_seqs, migrate_on_drain=True
@@ -68,6 +73,8 @@ def emulated_point(cfg: str, rps: float, args: argparse.Namespace, base: RunSpec
         rps=rps,
         requests=args.requests,
         trace_offset_s=args.trace_offset,
+        arrival=args.arrival,
+        seed=args.seed,
         time_scale=args.time_scale,
     )
     plan = [
@@ -89,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--points", default="static:10,full:10", help="CONFIG:RPS,...")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--trace-offset", type=float, default=0.0)
+    ap.add_argument("--arrival", choices=ARRIVALS, default=None)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--time-scale", type=float, default=0.5)
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=64)

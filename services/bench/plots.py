@@ -123,6 +123,11 @@ def plot_timeseries(inputs: list[str], out: str, title: str = "") -> None:
         if cfg == "full":
             for ax in axes:
                 _switch_lines(ax, doc)
+    for label, t0 in (docs[0].get("stage_starts_s") or {}).items():
+        if t0 > 0:  # a new stage of azure-staged begins (bench sim per-run files)
+            for ax in axes:
+                ax.axvline(t0, color="black", linestyle="--", linewidth=0.9, alpha=0.7)
+            axes[-1].annotate(label, (t0, 0), fontsize=7, xytext=(2, 2), textcoords="offset points")
     slo = docs[0].get("summary", {}).get("slo_ttft_ms")
     axes[0].axhline(slo or 2000.0, color="black", linestyle=":", linewidth=0.8, label="TTFT SLO")
     axes[0].set_yscale("log")

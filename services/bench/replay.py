@@ -34,7 +34,7 @@ from typing import Any
 
 from services.bench.loadgen import PlannedRequest
 from services.bench.replay_run import RunSpec, run_once
-from services.bench.workloads import DEFAULT_WINDOW_S, STAGED, WORKLOADS, build_workload, window_of
+from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, build_workload, window_of
 from shared.engine.profiles import load_profile
 from shared.policy.config import PolicyConfig
 from shared.policy.predictors import LatencyProfile
@@ -83,7 +83,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--rps", default="10", help="comma-separated request rates (trace time)")
     ap.add_argument("--requests", type=int, default=None, help="truncate the workload")
     ap.add_argument("--trace-offset", type=float, default=0.0, help="seconds into the traces")
-    ap.add_argument("--window-s", type=float, default=DEFAULT_WINDOW_S)
+    ap.add_argument(
+        "--arrival", choices=ARRIVALS, default=None, help="default: poisson staged, trace mixed"
+    )
+    ap.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     ap.add_argument("--time-scale", type=float, default=1.0, help="< 1 compresses time")
     ap.add_argument("--engine", choices=("emulated", "torch"), default="emulated")
     ap.add_argument("--model", default="tiny", help="model the workers load")
@@ -119,7 +122,8 @@ def plan_of(args: argparse.Namespace, rps: float) -> list[PlannedRequest]:
         rps=rps,
         requests=args.requests,
         trace_offset_s=args.trace_offset,
-        window_s=args.window_s,
+        arrival=args.arrival,
+        seed=args.seed,
         time_scale=args.time_scale,
     )
     return [

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.bench.workloads import DEFAULT_WINDOW_S, WORKLOADS, build_workload
+from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, build_workload, window_of
 from services.sim.config import CONFIGS, ORACLE, SimConfig
 from services.sim.run import run_config
 from shared.engine.profiles import DEFAULT_PROFILE, load_profile
@@ -43,8 +43,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=None, help="truncate the workload")
     ap.add_argument("--trace-offset", type=float, default=0.0, help="seconds into the traces")
     ap.add_argument(
-        "--window-s", type=float, default=DEFAULT_WINDOW_S, help="trace seconds per window"
+        "--arrival",
+        choices=ARRIVALS,
+        default=None,
+        help="arrival process (default: poisson for azure-staged, trace for azure-mixed)",
     )
+    ap.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     ap.add_argument("--time-scale", type=float, default=1.0)
     ap.add_argument("--max-prompt-tokens", type=int, default=None)
     ap.add_argument("--workers", type=int, default=8)
@@ -54,8 +58,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help="shipped profile name or path")
     ap.add_argument("--max-num-seqs", type=int, default=SimConfig.max_num_seqs)
     ap.add_argument("--kv-gbps", type=float, default=25.0, help="KV link, GB/s")
-    ap.add_argument("--migrate", action="store_true", help="D→P drain migrates decodes")
+    ap.add_argument(
+        "--no-migrate",
+        dest="migrate",
+        action="store_false",
+        help="D→P drain waits for running decodes (the paper) instead of live-migrating "
+        "them (the real worker's default)",
+    )
     ap.add_argument("--first-token-via-decode", action="store_true")
+    ap.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=0.0,
+        help="abort a request still queued for prefill after this long (SGLang: 60); 0 = never",
+    )
     ap.add_argument("--out", default="", help="directory for per-run JSON files")
     return ap.parse_args(argv)
 
@@ -80,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_bandwidth_bytes_per_s=args.kv_gbps * 1e9,
         migrate_on_drain=args.migrate,
         first_token_via_decode=args.first_token_via_decode,
+        queue_timeout_s=args.queue_timeout_s,
     )
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None:
@@ -93,10 +110,15 @@ def main(argv: list[str] | None = None) -> int:
             rps=rps,
             requests=args.requests,
             trace_offset_s=args.trace_offset,
-            window_s=args.window_s,
+            arrival=args.arrival,
+            seed=args.seed,
             time_scale=args.time_scale,
             max_prompt_tokens=args.max_prompt_tokens,
         )
+        starts: dict[str, float] = {}  # first arrival of each stage (plots mark them)
+        if args.workload == STAGED:
+            for t in trace:
+                starts.setdefault(window_of(t), t.arrival_s)
         for name in configs_of(args.config):
             t0 = time.perf_counter()
             # azure-mixed has one window: its oracle is the best single static split.
@@ -129,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             if out_dir is not None:
                 doc = res.to_json_dict(policy.ttft_s, policy.tpot_s)
-                doc.update(workload=args.workload, rps=rps, config=name)
+                doc.update(workload=args.workload, rps=rps, config=name, stage_starts_s=starts)
                 path = out_dir / f"{args.workload}_{name}_rps{rps:g}.json"
                 path.write_text(json.dumps(doc, allow_nan=False) + "\n", encoding="utf-8")
     summary = {

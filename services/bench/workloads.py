@@ -2,25 +2,39 @@
 
 Pure Python (no torch, no numpy), deterministic: the same arguments give the same list.
 
-* ``azure-staged`` — the paper's sustained shift: three windows back to back, Azure-
-  conversation → Azure-code → Azure-conversation. Each window holds the requests that arrive
-  within ``window_s`` seconds of trace time, starting ``trace_offset_s`` into its trace; the
-  two conversation windows are consecutive, non-overlapping segments of the conversation
-  trace (so no request is replayed twice). With ``rps`` set, each window's inter-arrival
-  times are scaled so that window's mean rate is ``rps`` (a constant offered rate, as in the
-  paper, with the trace's burst structure kept inside each window).
-* ``azure-mixed`` — both traces over one window (``trace_offset_s`` .. + ``window_s`` of the
-  common clock: both traces were recorded on the same afternoon), interleaved by their real
-  arrival times; ``rps`` scales the merged window to that mean rate.
+* ``azure-staged`` — the paper's sustained shift (§V-A: "30K requests arranged as three 10K-
+  request stages: Azure-conversation, Azure-code, and Azure-conversation"): stage 0 is the
+  first ``STAGE_REQUESTS`` conversation requests at or after ``trace_offset_s`` into that
+  trace, stage 1 the first ``STAGE_REQUESTS`` code requests at or after ``trace_offset_s``
+  into the code trace, stage 2 the next ``STAGE_REQUESTS`` conversation requests after stage
+  0 (consecutive, non-overlapping: no request is replayed twice). The shipped traces hold
+  8,819 code and 19,366 conversation requests, so from offset 0 the stages hold 10,000 /
+  8,819 / 9,366 requests (28,185 in all): the two later stages are as long as the traces
+  allow. With ``rps`` set, arrivals are a constant-rate Poisson process at ``rps`` over the
+  whole workload (§III-A: "a constant 40 RPS Poisson arrival rate"); the trace contributes
+  the request mix and lengths, not its timing. Without ``rps`` (and ``arrival``) each stage
+  keeps its trace's own inter-arrival times, stages back to back.
+* ``azure-mixed`` — the paper's transient bursts (§V-A: "10K naturally interleaved requests
+  from a bursty trace window"): both traces merged on their common clock (both were recorded
+  on the same afternoon) by real arrival time, the first ``MIXED_REQUESTS`` at or after
+  ``trace_offset_s``; ``rps`` scales the trace's inter-arrival times so the mean rate is
+  ``rps`` (the trace's burst structure is what this workload is about).
 
-Knobs, applied in this order: window selection → ``requests`` (truncate: azure-staged keeps
-the first ``requests // 3`` of each window, azure-mixed the first ``requests``) → ``rps`` →
-``time_scale`` (multiplies every arrival time: < 1 compresses time) → ``max_prompt_tokens``
-(clips prompt lengths to a context limit). The first request of the workload arrives at 0.
+``arrival`` overrides the default timing of either workload: ``"poisson"`` (seeded by
+``seed``) or ``"trace"`` (the trace's inter-arrival times, scaled to ``rps``; for azure-staged
+each stage is scaled to ``rps`` on its own: the timing of the first, time-window-based
+construction, applied to these stages).
+
+Knobs, applied in this order: stage/window selection → ``requests`` (truncate: azure-staged
+keeps the first ``requests // 3`` of each stage, azure-mixed the first ``requests``) →
+arrival times at ``rps`` → ``time_scale`` (multiplies every arrival time: < 1 compresses
+time) → ``max_prompt_tokens`` (clips prompt lengths to a context limit). The first request
+arrives at 0.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, replace
 from datetime import date
 from importlib import resources
@@ -34,7 +48,12 @@ STAGED = "azure-staged"
 MIXED = "azure-mixed"
 WORKLOADS = (STAGED, MIXED)
 STAGED_SOURCES = (CONVERSATION, CODE, CONVERSATION)
-DEFAULT_WINDOW_S = 600.0
+STAGE_REQUESTS = 10_000  # §V-A: three 10K-request stages
+MIXED_REQUESTS = 10_000  # §V-A: 10K interleaved requests
+POISSON = "poisson"
+TRACE = "trace"
+ARRIVALS = (POISSON, TRACE)
+DEFAULT_ARRIVAL = {STAGED: POISSON, MIXED: TRACE}
 
 
 class WorkloadError(InvalidRequestError):
@@ -96,28 +115,10 @@ def load_trace(source: str) -> list[TraceRequest]:
     return out
 
 
-def _window(
-    trace: list[TraceRequest],
-    origin_s: float,
-    start_s: float,
-    window_s: float,
-    index: int,
-    allow_empty: bool = False,
-) -> list[TraceRequest]:
-    lo, hi = origin_s + start_s, origin_s + start_s + window_s
-    if trace and hi > trace[-1].arrival_s + 1.0:
-        # A window running past the trace's end would silently hold fewer requests.
-        raise WorkloadError(
-            f"window [{start_s}, {start_s + window_s}) s runs past the end of the "
-            f"{trace[0].source} trace ({trace[-1].arrival_s - origin_s:.0f} s)"
-        )
-    picked = [replace(r, window=index) for r in trace if lo <= r.arrival_s < hi]
-    if not picked and not allow_empty:
-        raise WorkloadError(
-            f"no {trace[0].source if trace else ''} requests in [{start_s}, {start_s + window_s}) "
-            "s of the trace; lower trace_offset_s or window_s"
-        )
-    return picked
+def _from_offset(trace: list[TraceRequest], origin_s: float, offset_s: float) -> int:
+    """Index of the first request of ``trace`` at or after ``origin_s + offset_s``."""
+    t = origin_s + offset_s
+    return next((i for i, r in enumerate(trace) if r.arrival_s >= t), len(trace))
 
 
 def _rebase(reqs: list[TraceRequest], start_s: float, rps: float | None) -> list[TraceRequest]:
@@ -133,13 +134,47 @@ def _rebase(reqs: list[TraceRequest], start_s: float, rps: float | None) -> list
     return [replace(r, arrival_s=start_s + (r.arrival_s - first) * factor) for r in reqs]
 
 
+def _poisson(reqs: list[TraceRequest], rps: float, seed: int) -> list[TraceRequest]:
+    """Arrival times of a Poisson process at ``rps`` (first at 0), in ``reqs``' order."""
+    rng = random.Random(seed)
+    out, t = [], 0.0
+    for i, r in enumerate(reqs):
+        if i:
+            t += rng.expovariate(rps)
+        out.append(replace(r, arrival_s=t))
+    return out
+
+
+def _staged(
+    traces: dict[str, list[TraceRequest]], per_stage: int, offset_s: float
+) -> list[list[TraceRequest]]:
+    """The three stages (module doc), trace timestamps kept. Raises WorkloadError."""
+    stages = []
+    next_index: dict[str, int] = {}  # per source: where its next stage starts
+    for index, source in enumerate(STAGED_SOURCES):
+        trace = traces[source]
+        start = next_index.get(source)
+        if start is None:
+            start = _from_offset(trace, trace[0].arrival_s, offset_s)
+        stage = [replace(r, window=index) for r in trace[start : start + per_stage]]
+        if not stage:
+            raise WorkloadError(
+                f"stage {index} ({source}) is empty: the {source} trace has {len(trace)} "
+                f"requests, {start} of them before this stage; lower trace_offset_s"
+            )
+        next_index[source] = start + len(stage)
+        stages.append(stage)
+    return stages
+
+
 def build_workload(
     name: str,
     *,
     rps: float | None = None,
     requests: int | None = None,
     trace_offset_s: float = 0.0,
-    window_s: float = DEFAULT_WINDOW_S,
+    arrival: str | None = None,
+    seed: int = 0,
     time_scale: float = 1.0,
     max_prompt_tokens: int | None = None,
 ) -> list[TraceRequest]:
@@ -150,41 +185,45 @@ def build_workload(
         raise WorkloadError("rps must be > 0")
     if requests is not None and requests < (3 if name == STAGED else 1):
         raise WorkloadError("requests must be >= 1 (>= 3 for azure-staged)")
-    if trace_offset_s < 0 or not window_s > 0 or not time_scale > 0:
-        raise WorkloadError("trace_offset_s >= 0, window_s > 0 and time_scale > 0 required")
+    if trace_offset_s < 0 or not time_scale > 0:
+        raise WorkloadError("trace_offset_s >= 0 and time_scale > 0 required")
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise WorkloadError("max_prompt_tokens must be >= 1")
+    # Without a rate there is no Poisson process to draw: the trace's own timing.
+    arrival = arrival or (DEFAULT_ARRIVAL[name] if rps is not None else TRACE)
+    if arrival not in ARRIVALS:
+        raise WorkloadError(f"arrival must be one of {list(ARRIVALS)}")
+    if arrival == POISSON and rps is None:
+        raise WorkloadError("poisson arrivals need rps")
     traces = {s: load_trace(s) for s in TRACE_FILES}
     out: list[TraceRequest] = []
     if name == STAGED:
-        conv_offset = trace_offset_s
-        t_next = 0.0
-        for index, source in enumerate(STAGED_SOURCES):
-            trace = traces[source]
-            start = trace_offset_s
-            if source == CONVERSATION:
-                start, conv_offset = conv_offset, conv_offset + window_s
-            stage = _window(trace, trace[0].arrival_s, start, window_s, index)
-            if requests is not None:
-                stage = stage[: requests // 3]
-            stage = _rebase(stage, t_next, rps)
-            # The next stage starts one mean gap after this one's last arrival.
-            gap = 1.0 / rps if rps is not None else _mean_gap(stage)
-            t_next = stage[-1].arrival_s + gap
-            out.extend(stage)
+        per_stage = STAGE_REQUESTS if requests is None else requests // 3
+        stages = _staged(traces, per_stage, trace_offset_s)
+        if arrival == POISSON:
+            assert rps is not None
+            out = _poisson([r for stage in stages for r in stage], rps, seed)
+        else:
+            t_next = 0.0
+            for stage in stages:
+                stage = _rebase(stage, t_next, rps)
+                # The next stage starts one mean gap after this one's last arrival.
+                gap = 1.0 / rps if rps is not None else _mean_gap(stage)
+                t_next = stage[-1].arrival_s + gap
+                out.extend(stage)
     else:
         origin = min(traces[CODE][0].arrival_s, traces[CONVERSATION][0].arrival_s)
-        merged = [
-            *_window(traces[CONVERSATION], origin, trace_offset_s, window_s, 0, True),
-            *_window(traces[CODE], origin, trace_offset_s, window_s, 0, True),
-        ]
-        if not merged:
-            raise WorkloadError(f"no requests in [{trace_offset_s}, +{window_s}) s")
         # Interleave by real arrival; ties keep conversation first (deterministic).
-        merged.sort(key=lambda r: r.arrival_s)
-        if requests is not None:
-            merged = merged[:requests]
-        out = _rebase(merged, 0.0, rps)
+        merged = sorted([*traces[CONVERSATION], *traces[CODE]], key=lambda r: r.arrival_s)
+        start = _from_offset(merged, origin, trace_offset_s)
+        merged = merged[start : start + (MIXED_REQUESTS if requests is None else requests)]
+        if not merged:
+            raise WorkloadError(f"no requests at or after {trace_offset_s} s of the traces")
+        if arrival == POISSON:
+            assert rps is not None
+            out = _poisson(merged, rps, seed)
+        else:
+            out = _rebase(merged, 0.0, rps)
     if time_scale != 1.0:
         out = [replace(r, arrival_s=r.arrival_s * time_scale) for r in out]
     if max_prompt_tokens is not None:

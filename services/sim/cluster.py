@@ -169,8 +169,12 @@ class Simulation(ControlPlane):
     # ---------------------------------------------------------------- prefill
     def prefill_next(self, w: SimWorker) -> None:
         """Start the head of ``w``'s queue if ``w`` is idle (the prefill loop's wakeup)."""
+        timeout = self.cfg.queue_timeout_s
         while w.current is None and w.queue:
             r = w.queue.popleft()
+            if timeout and self.now - r.arrival_s > timeout:
+                self.fail(r)  # aborted before its prefill started (no work done)
+                continue
             w.current = r
             self._try_admit(w, r, True)
         if w.current is None and w.state == "drain":

@@ -48,6 +48,9 @@ class SimConfig:
     retry_batch_full_s: float = 0.02
     retry_no_blocks_s: float = 0.05
     retry_not_admitting_s: float = 0.05
+    # SGLang-style abort of a request still queued for prefill this long after arrival (the
+    # paper's baseline cancels after 60 s, §V-C); 0 = never (our router and workers).
+    queue_timeout_s: float = 0.0
     # KV transfer (modelling choice): one link per source worker, transfers serialised on it.
     kv_bandwidth_bytes_per_s: float = 25e9  # ~NVLink-class per-GPU bandwidth
     kv_transfer_overhead_s: float = 0.0  # fixed per transfer (envelope, validation, RTT)
@@ -58,7 +61,7 @@ class SimConfig:
     # FluidRole in the worker (switch.py): drain bound and the in-place flip itself.
     drain_timeout_s: float = 60.0
     switch_overhead_s: float = 0.05  # re-slice + route update after the drain (design goal)
-    migrate_on_drain: bool = False  # D→P: move running decodes to peers (KV over the link)
+    migrate_on_drain: bool = True  # D→P: move running decodes to peers (WorkerConfig.migrate)
     # Simulator bounds (speed), see cluster.py.
     policy_queue_window: int = 256  # queued requests PPI/Algorithm 1 inspect
     sample_interval_s: float = 1.0  # time-series resolution
@@ -90,7 +93,7 @@ class SimConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise SimConfigError(f"{name} must be > 0")
-        for name in ("kv_transfer_overhead_s", "switch_overhead_s"):
+        for name in ("kv_transfer_overhead_s", "switch_overhead_s", "queue_timeout_s"):
             if not getattr(self, name) >= 0:
                 raise SimConfigError(f"{name} must be >= 0")
 

@@ -150,17 +150,18 @@ def dpi_load(load: DecodeLoad, n_tpot_batch: int) -> float:
 def dpi_adm(load: DecodeLoad) -> float:
     """Eq. 8: DPI_d,adm = 1 − C_alloc / C_KV (fraction occupied or reserved).
 
-    Extension: when the worker also caps admitted requests (``max_requests`` > 0), the
-    admission headroom is the smaller of the two, so DPI_adm is the larger fraction used:
-    max(1 − C_alloc / C_KV, N_admitted / N_max). Without it, a decode pool that refuses
-    admission because its batch slots are full looks idle to FluidRole (eq. 23), and a
-    prefill backlog caused by that refusal is mistaken for prefill overload.
+    Extension: when the worker also caps admitted requests (``max_requests`` > 0) and every
+    slot is taken, it can admit nothing whatever its free KV, so its allocable capacity is
+    0 and DPI_adm = 1. Below the cap the value is the paper's KV fraction. Without this, a
+    decode pool that refuses admission because its slots are full looks idle to FluidRole
+    (eq. 23), and a prefill backlog caused by that refusal is mistaken for prefill overload.
+    (An earlier version returned max(KV fraction, N_admitted / N_max): it compared a slot
+    fraction with DPI_adm^high = 0.2, a threshold the paper sets for KV occupancy, so eq. 23
+    fired at 13 of 64 slots and FluidRole churned P→D / D→P on a prefill-bound mix.)
     """
-    kv_used = 1.0 - kv_alloc_tokens(load) / load.kv_capacity_tokens
-    if load.max_requests > 0:
-        slots_used = load.admitted_requests / load.max_requests
-        return slots_used if slots_used > kv_used else kv_used
-    return kv_used
+    if load.max_requests > 0 and load.admitted_requests >= load.max_requests:
+        return 1.0
+    return 1.0 - kv_alloc_tokens(load) / load.kv_capacity_tokens
 
 
 def tpot_slack_s(load: DecodeLoad, profile: LatencyProfile, cfg: PolicyConfig) -> float:
