@@ -45,6 +45,9 @@ def test_bench_serve_quick() -> None:
         "engine_prefill_overshoot_ms",
         "engine_decode_overshoot_ms",
         "router_to_client_ms",
+        "direct_ttft_ms",
+        "direct_gap_ms",
+        "router_ttft_ms",
     ):
         for q in ("p50", "p99"):
             assert _number(out[f"{name}_{q}"]), (name, q, out)
@@ -56,6 +59,12 @@ def test_bench_serve_quick() -> None:
     # Every stream through the router and the bus delivered exactly the reference tokens.
     assert out["mismatched_streams"] == 0
     assert out["per_token_samples"] > 0 and out["bus_only_per_token_samples"] > 0
+    # The baseline is the engine called directly, measured in the same run (and exact).
+    assert out["direct_ttft_samples"] == out["requests"] and out["direct_per_token_samples"] > 0
+    for name in ("ttft", "per_token", "bus_only_ttft", "bus_only_per_token"):
+        for q in ("p50", "p99"):
+            assert _number(out[f"{name}_added_vs_direct_ms_{q}"]), (name, q, out)
+    assert out["direct_ttft_ms_p50"] >= out["engine_prefill_ms"]  # it does sleep the step
 
 
 def test_bench_switch_quick() -> None:

@@ -100,6 +100,7 @@ class DecodeRole:
         self._doomed: set[str] = set()
         self.wakeup = asyncio.Event()
         self.step_done = asyncio.Event()  # pulsed after every committed step
+        self.progress = asyncio.Event()  # set when a request leaves (a D->P drain waits)
         self.admitting = True
         self.stolen_tokens_total = 0
         self.refused_steals_total = 0
@@ -340,6 +341,7 @@ class DecodeRole:
 
     def _finish(self, req: DecodeRequest) -> None:
         self.requests.pop(req.request_id, None)
+        self.progress.set()
         if req in self.runnable:
             self.runnable.remove(req)
         if self.bm.has_sequence(req.request_id):

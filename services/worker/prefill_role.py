@@ -4,14 +4,18 @@ One iteration::
 
     head of queue -> split decision (Algorithm 1 over the queue; 0 without budget)
       -> admit at the paired decode worker (it reserves blocks, may refuse the steal)
-      -> compute the prefix here (the whole prompt when not split), first token sampled
-         and streamed at once when not split
-      -> export the prefix KV straight into the reserved blocks (background task; the next
+         and compute the prefix here (the whole prompt when not split): one after the
+         other for a proposed split (the answer decides what to compute), concurrently
+         otherwise, with the first token sampled and streamed as soon as it exists
+      -> once the reservation is confirmed, export the prefix KV straight into the reserved blocks (background task; the next
          prefill starts meanwhile); local blocks freed when UCX no longer reads them.
 
-The request is retried (same decode worker, after ``retry_after_ms``) only while the decode
-side has not taken ownership, i.e. before a successful admit; a failed export ends it with
-an error item to the router (the decode side frees its reservation on its own deadline).
+The admit is retried (same decode worker after ``retry_after_ms``, or another one when it
+stopped decoding) until the request's deadline; a request that never gets a reservation
+ends with an error item to the router (after its first token, if that was already sent),
+and so does a failed export (the decode side frees its reservation on its own deadline).
+A cancel, or a failed step, sends a CancelRequest to the decode side (it frees a
+reservation the concurrent admit made, or refuses the admit if that comes later).
 """
 
 from __future__ import annotations
@@ -101,6 +105,9 @@ class PrefillRole:
         self.exports: set[asyncio.Task[None]] = set()
         self.current: PrefillJob | None = None
         self.wakeup = asyncio.Event()
+        # Set whenever work leaves this role (a prefill ends, an export ends, the queue is
+        # taken): a P->D switch waits on it instead of polling.
+        self.progress = asyncio.Event()
         self.admitting = True
         self.handed_off_tokens_total = 0
         self.split_requests_total = 0
@@ -139,6 +146,7 @@ class PrefillRole:
         self.queue.clear()
         for job in jobs:
             self.jobs.pop(job.request_id, None)
+        self.progress.set()
         return jobs
 
     # -------------------------------------------------------------------- loop
@@ -162,6 +170,7 @@ class PrefillRole:
             finally:
                 self.current = None
                 self._publish()
+                self.progress.set()
 
     async def _serve(self, job: PrefillJob) -> None:
         msg = job.msg
@@ -171,20 +180,80 @@ class PrefillRole:
         elif self.split_planner is not None:
             plan = self.split_planner([job, *self.queue], time.monotonic())
             suffix_len = min(plan.get(job.request_id, 0), job.prompt_len - 1)
-        t_admit = time.perf_counter()
-        admit = await self._admit(job, suffix_len)
-        self.observe_stage("decode_admission", time.perf_counter() - t_admit)
-        if admit is None or job.cancelled:
-            if admit is not None:
+        if suffix_len:
+            # A proposed split: the decode worker may refuse the steal, which changes what
+            # we compute, so its answer comes first.
+            admit = await self._timed_admit(job, suffix_len)
+            if admit is None or job.cancelled:
+                if admit is not None:
+                    await self._cancel_remote(job)
+                return
+            suffix_len = admit.suffix_len
+            prefix_len = job.prompt_len - suffix_len
+            try:
+                seq_id = self._allocate(job, prefix_len)
+            except BaseException:
+                await self._cancel_remote(job)  # free the reservation at once
+                raise
+            first = await self._compute(job, seq_id, prefix_len, sample=suffix_len == 0)
+            if job.cancelled:
+                self.bm.free_sequence(seq_id)
                 await self._cancel_remote(job)
-            return
-        suffix_len = admit.suffix_len
-        prefix_len = job.prompt_len - suffix_len
+                return
+            self._stream_first(job, first)  # None (D samples it) unless it refused the steal
+        else:
+            # Unsplit: the decode worker reserves while we compute, so the admission round
+            # trip is off the TTFT path. The export still starts only after the reservation.
+            prefix_len = job.prompt_len
+            seq_id = self._allocate(job, prefix_len)
+            admitting = asyncio.ensure_future(self._timed_admit(job, 0))
+            try:
+                first = await self._compute(job, seq_id, prefix_len, sample=True)
+            except BaseException:
+                admitting.cancel()
+                await self._cancel_remote(job)  # frees a reservation the admit may have made
+                raise
+            if job.cancelled:
+                admitting.cancel()
+                self.bm.free_sequence(seq_id)
+                await self._cancel_remote(job)
+                return
+            self._stream_first(job, first)
+            try:
+                admit = await admitting
+            except BaseException:
+                self.bm.free_sequence(seq_id)
+                raise
+            if admit is None or job.cancelled:  # a failed admit already told the router
+                self.bm.free_sequence(seq_id)
+                if admit is not None:
+                    await self._cancel_remote(job)
+                return
+        if suffix_len:
+            self.split_requests_total += 1
+            self.handed_off_tokens_total += suffix_len
         ticket = TransferTicket.decode(admit.ticket, self._secret)
+        meta = {"prefix_len": prefix_len, "first_token": first}
+        task = asyncio.ensure_future(self._export(job, ticket, seq_id, meta))
+        self.exports.add(task)
+        task.add_done_callback(self._export_done)
+
+    def _export_done(self, task: asyncio.Task[None]) -> None:
+        self.exports.discard(task)
+        self.progress.set()
+
+    def _allocate(self, job: PrefillJob, num_tokens: int) -> str:
+        """Local blocks for the prompt's KV. Raises NoFreeBlocksError (nothing held)."""
         seq_id = f"pf-{job.request_id}"
-        self.bm.allocate(seq_id, prefix_len)
+        self.bm.allocate(seq_id, num_tokens)
+        return seq_id
+
+    async def _compute(self, job: PrefillJob, seq_id: str, prefix_len: int, sample: bool) -> Any:
+        """Run the prefix in the engine thread; the first token when ``sample``. Frees
+        ``seq_id`` if the step fails."""
+        msg = job.msg
         step = StepInput(seq_id, msg.prompt_token_ids[:prefix_len], 0, self.bm.block_table(seq_id))
-        spec = None if suffix_len else SampleSpec(engine_params(msg.sampling), 0, job.seed)
+        spec = SampleSpec(engine_params(msg.sampling), 0, job.seed) if sample else None
         job.timestamps["prefill_start_s"] = time.time()
         started = time.perf_counter()
         loop = asyncio.get_running_loop()
@@ -194,6 +263,7 @@ class PrefillRole:
             self.bm.free_sequence(seq_id)
             raise
         self.last_step_s = time.perf_counter() - started
+        job.timestamps["prefill_end_s"] = time.time()
         self.last_prefill_tokens = prefix_len
         self.observe_step(prefix_len, self.last_step_s)
         self.observe_stage("prefill_compute", self.last_step_s)
@@ -201,29 +271,31 @@ class PrefillRole:
             "queue_wait", job.timestamps["prefill_start_s"] - job.timestamps["queued_s"]
         )
         self.prefills_total += 1
-        job.timestamps["prefill_end_s"] = time.time()
-        if job.cancelled:
-            self.bm.free_sequence(seq_id)
-            await self._cancel_remote(job)
+        return first
+
+    def _stream_first(self, job: PrefillJob, first: int | None) -> None:
+        """Send the first token to the router now (TTFT); nothing when D samples it."""
+        if first is None:
             return
-        if first is not None:
-            self.streamer.add(
-                msg.tokens_subject,
-                TokenItem(
-                    request_id=job.request_id,
-                    index=0,
-                    token_ids=(first,),
-                    timestamps=dict(job.timestamps),
-                ),
-            )
-            self._publish()
-        if suffix_len:
-            self.split_requests_total += 1
-            self.handed_off_tokens_total += suffix_len
-        meta = {"prefix_len": prefix_len, "first_token": first}
-        task = asyncio.ensure_future(self._export(job, ticket, seq_id, meta))
-        self.exports.add(task)
-        task.add_done_callback(self.exports.discard)
+        self.streamer.add(
+            job.msg.tokens_subject,
+            TokenItem(
+                request_id=job.request_id,
+                index=0,
+                token_ids=(first,),
+                timestamps=dict(job.timestamps),
+            ),
+        )
+        self._publish()
+
+    async def _timed_admit(self, job: PrefillJob, suffix_len: int) -> AdmitReply | None:
+        started = time.perf_counter()
+        job.timestamps["admit_sent_s"] = time.time()
+        try:
+            return await self._admit(job, suffix_len)
+        finally:
+            job.timestamps["admitted_s"] = time.time()
+            self.observe_stage("decode_admission", time.perf_counter() - started)
 
     async def _admit(self, job: PrefillJob, suffix_len: int) -> AdmitReply | None:
         msg = job.msg

@@ -6,15 +6,19 @@ sending work of the old role before the drain starts counting.
 
 P -> D: stop admitting prefill work; hand queued-but-not-started requests to other Active
 prefill workers (they keep their arrival time and deadline); finish the running prefill and
-flush its KV export; flip. D -> P: stop admitting decode work; let running requests finish
-(live migration to peers is not implemented yet) within ``drain_timeout_s``, after which
-the switch is cancelled and the worker returns to Active(decode).
+flush its KV export; flip. D -> P: stop admitting decode work; live-migrate requests expected
+to run longer than ``migrate_min_remaining_s`` to peer decode workers, let the others finish
+in place, within ``drain_timeout_s``, after which the switch is cancelled and the worker
+returns to Active(decode). The drain ends when the roles signal that their last work left
+(no polling period in the switch time).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import structlog
@@ -27,7 +31,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-_DRAIN_POLL_S = 0.005  # drain completion is checked at this period (work ends in the loops)
+# The roles signal when work leaves them (``progress`` events), so the drain ends on that
+# signal; this period only re-checks for work that ended without one (e.g. a failed receive).
+_DRAIN_RECHECK_S = 0.05
 
 
 class RoleSwitcher:
@@ -91,13 +97,14 @@ class RoleSwitcher:
             drained = await self._wait(
                 lambda: (
                     rt.prefill.current is None and not rt.prefill.exports and not rt.prefill.queue
-                )
+                ),
+                rt.prefill.progress,
             )
         else:
             rt.decode.admitting = False
             if self.migrate:
                 await self._migrate_long_requests()
-            drained = await self._wait(lambda: not rt.decode.requests)
+            drained = await self._wait(lambda: not rt.decode.requests, rt.decode.progress)
         t_drain = time.perf_counter()
         if not drained:
             log.warning("switch_cancelled", worker_id=rt.cfg.worker_id, reason="drain timeout")
@@ -117,13 +124,20 @@ class RoleSwitcher:
         }
         log.info("switch_done", worker_id=rt.cfg.worker_id, to=to_role, **self.last_durations_ms)
 
-    async def _wait(self, done: object) -> bool:
+    async def _wait(self, done: Callable[[], bool], progress: asyncio.Event) -> bool:
+        """Until ``done()`` (True) or the drain deadline (False). Re-checked whenever the
+        role sets ``progress`` (cleared before each check, so no signal is lost)."""
         deadline = time.monotonic() + self.drain_timeout_s
-        while not done():  # type: ignore[operator]
-            if time.monotonic() > deadline:
+        while True:
+            progress.clear()
+            if done():
+                return True
+            remaining_s = deadline - time.monotonic()
+            if remaining_s <= 0:
                 return False
-            await asyncio.sleep(_DRAIN_POLL_S)
-        return True
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(remaining_s, _DRAIN_RECHECK_S)):
+                    await progress.wait()
 
     async def _migrate_long_requests(self) -> None:
         rt = self.rt
