@@ -2,7 +2,8 @@
 
 ``TorchPagedAttention`` (CPU, or any device): writes the new tokens' K/V into the arena, then
 gathers each sequence's context through its block table and runs SDPA. Pure decode batches
-are gathered once into a padded ``[B, max_ctx]`` tensor and run as one SDPA call; batches
+(batch 1 included) are gathered into a padded ``[B, max_ctx]`` tensor through block tables
+built once per step (``ForwardBatch.decode_tables``) and run as one SDPA call; batches
 with prompt chunks run one SDPA per sequence with a causal mask offset by the cached context
 (so a chunked prefill on top of existing KV sees exactly what an unsplit prefill sees).
 
@@ -59,8 +60,8 @@ class TorchPagedAttention:
         batch: ForwardBatch,
     ) -> torch.Tensor:
         write_kv(kv_layer, k, v, batch)
-        if batch.all_decode and len(batch.spans) > 1:
-            return self._decode_batched(q, kv_layer, batch)
+        if batch.decode_tables is not None:
+            return self._decode(q, kv_layer, batch)
         out = torch.empty_like(q)
         for span in batch.spans:
             keys, values = _gather(kv_layer, span.block_table, span.context_len)
@@ -77,25 +78,26 @@ class TorchPagedAttention:
             out[span.q_start : span.q_start + span.q_len] = o.transpose(0, 1)
         return out
 
-    def _decode_batched(
-        self, q: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch
-    ) -> torch.Tensor:
-        block_size = kv_layer.shape[2]
-        max_blocks = max(int(s.block_table.shape[0]) for s in batch.spans)
-        num_seqs = len(batch.spans)
-        tables = torch.zeros((num_seqs, max_blocks), dtype=torch.long, device=q.device)
-        lens = torch.empty(num_seqs, dtype=torch.long, device=q.device)
-        for i, span in enumerate(batch.spans):
-            tables[i, : span.block_table.shape[0]] = span.block_table
-            lens[i] = span.context_len
-        gathered = kv_layer[tables]  # [B, max_blocks, 2, bs, Hkv, D]
-        b, nb, _, bs, hkv, d = gathered.shape
-        keys = gathered[:, :, 0].reshape(b, nb * bs, hkv, d).transpose(1, 2)
-        values = gathered[:, :, 1].reshape(b, nb * bs, hkv, d).transpose(1, 2)
-        mask = torch.arange(nb * block_size, device=q.device)[None, :] < lens[:, None]
-        qs = q.unsqueeze(2)  # [B, Hq, 1, D]
+    def _decode(self, q: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Every sequence has one query: gather all contexts, padded, in one SDPA call.
+
+        K and V are gathered separately straight from the strided layer view (two copies of
+        exactly the context, no intermediate ``[.., 2, ..]`` tensor to split again).
+        """
+        tables = batch.decode_tables
+        assert tables is not None
+        b, nb = tables.shape
+        _, _, bs, hkv, d = kv_layer.shape
+        n = batch.decode_max_context_len
+        keys = kv_layer[:, 0][tables].view(b, nb * bs, hkv, d)[:, :n].transpose(1, 2)
+        values = kv_layer[:, 1][tables].view(b, nb * bs, hkv, d)[:, :n].transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            qs, keys, values, attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True
+            q.unsqueeze(2),
+            keys,
+            values,
+            attn_mask=batch.decode_mask,
+            scale=self.scale,
+            enable_gqa=True,
         )
         return o.squeeze(2)
 

@@ -59,6 +59,11 @@ class ForwardBatch:
     spans: tuple[SeqSpan, ...]
     logits_indices: torch.Tensor  # int64 [B] last new token of each sequence
     all_decode: bool  # every sequence has exactly one new token
+    # Pure-decode batches only (else None / 0): built once per step so attention does not
+    # rebuild them in each layer.
+    decode_tables: torch.Tensor | None = None  # int64 [B, max_blocks], padded with block 0
+    decode_max_context_len: int = 0
+    decode_mask: torch.Tensor | None = None  # bool [B, 1, 1, max_ctx]; None if all equal
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +107,20 @@ def build_batch(steps: Sequence[StepInput], block_size: int, device: torch.devic
     def t(xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=device)
 
+    all_decode = all(s.num_new_tokens == 1 for s in steps)
+    decode_tables = None
+    decode_mask = None
+    max_ctx = 0
+    if all_decode:
+        lens = [s.context_len for s in steps]
+        max_ctx = max(lens)
+        width = max(len(span.block_table) for span in spans)
+        rows = [list(s.block_table[: -(-s.context_len // block_size)]) for s in steps]
+        padded = [r + [0] * (width - len(r)) for r in rows]
+        decode_tables = torch.tensor(padded, dtype=torch.long, device=device)
+        if min(lens) != max_ctx:
+            decode_mask = (torch.arange(max_ctx)[None, :] < torch.tensor(lens)[:, None]).to(device)
+            decode_mask = decode_mask[:, None, None, :]
     return ForwardBatch(
         input_ids=t(ids),
         positions=t(positions),
@@ -109,5 +128,8 @@ def build_batch(steps: Sequence[StepInput], block_size: int, device: torch.devic
         slot_offsets=t(slot_offsets),
         spans=tuple(spans),
         logits_indices=t(last),
-        all_decode=all(s.num_new_tokens == 1 for s in steps),
+        all_decode=all_decode,
+        decode_tables=decode_tables,
+        decode_max_context_len=max_ctx,
+        decode_mask=decode_mask,
     )

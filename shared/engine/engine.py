@@ -61,8 +61,15 @@ class Engine:
             cfg.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings
         )
         attention = make_attention(cfg.attention_backend, self.device, 1.0 / math.sqrt(mc.head_dim))
+        # ``extra=(("linear_kernel", "mm"),)`` forces the plain-torch projections (linear.py).
         self.model = LlamaModel(
-            mc, loaded.weights, attention, cfg.torch_dtype, self.device, self.max_model_len
+            mc,
+            loaded.weights,
+            attention,
+            cfg.torch_dtype,
+            self.device,
+            self.max_model_len,
+            linear_kernel=str(dict(cfg.extra).get("linear_kernel", "auto")),
         )
         block_bytes = cfg.block_size * mc.kv_bytes_per_token(cfg.torch_dtype)
         num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // block_bytes)
@@ -171,5 +178,6 @@ class Engine:
             "kv_block_bytes": self.arena.block_nbytes,
             "max_model_len": self.max_model_len,
             "attention": self.model.attention.name,
+            "linear_kernel": self.model.linear_kernel,
             "threads": torch.get_num_threads(),
         }
