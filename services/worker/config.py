@@ -6,6 +6,8 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
+
 ROLES = ("prefill", "decode")
 ENGINES = ("torch", "emulated")
 
@@ -35,7 +37,7 @@ class WorkerConfig:
     num_threads: int = 0
     block_size: int = 16
     num_kv_blocks: int = 0
-    kv_cache_bytes: int = 1024 * 1024 * 1024
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     kv_zero_on_free: bool = False
     emulated_kv_bytes_per_token: int = 16
     time_scale: float = 1.0

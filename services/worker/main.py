@@ -10,6 +10,7 @@ import sys
 
 from services.common.logging import configure_logging
 from services.worker.config import WorkerConfig, default_worker_id
+from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
 from shared.errors import FluidPDError
 
 
@@ -44,7 +45,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-cache-mib",
         type=int,
-        default=int(env("FLUIDPD_KV_CACHE_MIB", "1024")),
+        default=int(env("FLUIDPD_KV_CACHE_MIB", str(DEFAULT_KV_CACHE_BYTES >> 20))),
         help="KV arena size when --num-kv-blocks is 0",
     )
     p.add_argument(

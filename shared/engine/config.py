@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
+
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -83,7 +85,7 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int = 0
-    kv_cache_bytes: int = 256 * 1024 * 1024
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     max_num_seqs: int = 64
     max_model_len: int = 0  # 0: the model's own limit
     num_threads: int = 0  # 0: leave torch's default
