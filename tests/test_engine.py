@@ -147,6 +147,22 @@ def test_preemption_when_pool_is_short() -> None:
     assert small.block_manager.num_free_blocks == 12
 
 
+@pytest.mark.parametrize("chunk_tokens", [5, 16, 64])
+def test_prompts_sharing_an_iteration_on_a_short_pool(chunk_tokens: int) -> None:
+    """Several prompts are prefilled per iteration (token budget), chunked, and preempted
+    (prefilling ones too) when the pool runs short: outputs equal a roomy engine's."""
+    small = Engine.load(EngineConfig(model="tiny", block_size=BLOCK, num_kv_blocks=12))
+    big = Engine.load(EngineConfig(model="tiny", block_size=BLOCK, num_kv_blocks=256))
+    rng = random.Random(chunk_tokens)
+    prompts = [_prompt(rng, n, small.model_config.vocab_size) for n in (7, 20, 3, 26, 11)]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    got = generate(small, prompts, params, prefill_chunk_tokens=chunk_tokens)
+    want = generate(big, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert small.block_manager.num_free_blocks == 12
+    small.block_manager.check_integrity()
+
+
 def test_stop_token_and_eos(engine: Engine) -> None:
     rng = random.Random(4)
     p = _prompt(rng, 8, engine.model_config.vocab_size)

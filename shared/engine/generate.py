@@ -1,8 +1,8 @@
 """Single-process generation: the ground truth every distributed path must reproduce.
 
-A small continuous-batching loop over one Engine: each iteration admits at most one waiting
-prompt chunk (chunked prefill when a prompt is longer than ``prefill_chunk_tokens``) and
-decodes every running sequence, all in one forward pass. When the KV pool runs short the
+A small continuous-batching loop over one Engine: each iteration computes up to
+``prefill_chunk_tokens`` prompt tokens (several short prompts, or one chunk of a long one:
+chunked prefill) and decodes every running sequence, all in one forward pass. When the KV pool runs short the
 newest running sequence is preempted (its blocks freed, recomputed later) — never a crash.
 """
 
@@ -53,33 +53,55 @@ def generate(
                 bm.blocks_for_tokens(len(s.prompt_token_ids) + 1), bm.num_blocks
             )
     waiting: deque[Sequence] = deque(seqs)
-    prefilling: Sequence | None = None
+    prefilling: list[Sequence] = []  # admitted, prompt not fully computed yet
     running: list[Sequence] = []
     try:
         while waiting or running or prefilling:
             steps: list[StepInput] = []
             sampled: list[Sequence] = []
-            if prefilling is None and waiting and len(running) < engine.cfg.max_num_seqs:
-                cand = waiting[0]
-                if bm.can_allocate(
-                    bm.blocks_for_tokens(min(cand.num_tokens, prefill_chunk_tokens))
-                ):
-                    prefilling = waiting.popleft()
-                    bm.allocate(prefilling.seq_id, 0)
-            if prefilling is not None:
-                seq = prefilling
-                chunk = seq.pending_token_ids()[:prefill_chunk_tokens]
+            # Prefill: continue admitted prompts, then admit waiting ones, within one token
+            # budget per iteration (several short prompts share one forward, as in vLLM).
+            # Admission comes second, so a newcomer never takes blocks an older prompt needs.
+            budget = prefill_chunk_tokens
+            short = False
+            for seq in prefilling:
+                chunk = seq.pending_token_ids()[:budget]
+                if not chunk:
+                    break
                 try:
                     bm.grow(seq.seq_id, seq.num_cached_tokens + len(chunk))
                 except NoFreeBlocksError:
-                    if not running:  # cannot happen: the prompt was checked to fit the pool
-                        raise
-                    _preempt(engine, running, waiting)
-                    continue
+                    short = True
+                    break
+                budget -= len(chunk)
                 steps.append(
                     StepInput(seq.seq_id, chunk, seq.num_cached_tokens, bm.block_table(seq.seq_id))
                 )
                 if seq.num_cached_tokens + len(chunk) == seq.num_tokens:
+                    sampled.append(seq)
+            if short:
+                # Make room and retry the iteration: the newest running sequence goes first,
+                # then the newest admitted prompt (never the oldest: it always progresses).
+                if running:
+                    _preempt(engine, running, waiting)
+                elif len(prefilling) > 1:
+                    _preempt(engine, prefilling, waiting)
+                else:  # cannot happen: every prompt was checked to fit the pool
+                    raise NoFreeBlocksError(1, bm.num_free_blocks)
+                continue
+            while (
+                budget > 0
+                and waiting
+                and len(running) + len(prefilling) < engine.cfg.max_num_seqs
+                and bm.can_allocate(bm.blocks_for_tokens(min(waiting[0].num_tokens, budget)))
+            ):
+                seq = waiting.popleft()
+                chunk = seq.pending_token_ids()[:budget]
+                bm.allocate(seq.seq_id, len(chunk))
+                prefilling.append(seq)
+                budget -= len(chunk)
+                steps.append(StepInput(seq.seq_id, chunk, 0, bm.block_table(seq.seq_id)))
+                if len(chunk) == seq.num_tokens:
                     sampled.append(seq)
             for seq in list(running):
                 try:
@@ -115,8 +137,8 @@ def generate(
                 seq.finish_reason = finish_reason_after(
                     seq, tok, engine.eos_token_ids, engine.max_model_len
                 )
-                if seq is prefilling:
-                    prefilling = None
+                if seq in prefilling:
+                    prefilling.remove(seq)
                     running.append(seq)
                 if seq.finished:
                     running.remove(seq)
@@ -134,7 +156,8 @@ def generate(
 
 
 def _preempt(engine: Engine, running: list[Sequence], waiting: deque[Sequence]) -> None:
-    """Free the newest running sequence and requeue it first (it recomputes its tokens)."""
+    """Free the newest sequence of ``running`` and requeue it first (it recomputes its
+    tokens). Mutates both lists and the block manager."""
     victim = running.pop()
     engine.block_manager.free_sequence(victim.seq_id)
     victim.num_cached_tokens = 0
