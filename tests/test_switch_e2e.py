@@ -87,6 +87,9 @@ async def test_switch_p_to_d_and_back_keeps_outputs(cluster: str, client: BusCli
         o.token_ids for o in generate(ref, prompts, SamplingParams(max_tokens=10, ignore_eos=True))
     ]
     pid_before = client.telemetry["p1"].metrics["pid"]
+    # Re-slice: as a prefill worker p1 lends its arena's tail to the prefill workspace (32
+    # of 256 blocks for tiny, see test_engine_reslice.py); as a decode worker it has all.
+    assert client.telemetry["p1"].total_blocks == 256 - 32
     # Load on p1 while it switches: queued work must be handed to p0, nothing dropped.
     rids = [await client.submit("p1", "d0", p, 10) for p in prompts]
     answer = await asyncio.to_thread(_wire, cluster, "p1", b'{"role":"decode"}')
@@ -105,6 +108,7 @@ async def test_switch_p_to_d_and_back_keeps_outputs(cluster: str, client: BusCli
     rid = await client.submit("p0", "p1", prompts[0], 10)
     assert (await client.result(rid)).token_ids == want[0]
     assert client.telemetry["p1"].metrics["pid"] == pid_before
+    await client.wait_telemetry(lambda t: t["p1"].role == "decode" and t["p1"].total_blocks == 256)
     # And back.
     answer = await asyncio.to_thread(_wire, cluster, "p1", b'{"role":"prefill"}')
     assert answer["ok"] is True
@@ -114,6 +118,7 @@ async def test_switch_p_to_d_and_back_keeps_outputs(cluster: str, client: BusCli
     )
     rid = await client.submit("p1", "d0", prompts[1], 10)
     assert (await client.result(rid)).token_ids == want[1]
+    await client.wait_telemetry(lambda t: t["p1"].role == "prefill" and t["p1"].total_blocks == 224)
     await client.wait_telemetry(
         lambda t: all(t[w].free_blocks == t[w].total_blocks for w in ("p0", "p1", "d0"))
     )

@@ -146,7 +146,7 @@ class DecodeRole:
                 num_blocks=self._blocks_for_request(prompt_len, sampling.max_tokens),
             )
         except NoFreeBlocksError as exc:
-            if exc.needed_blocks > self.bm.num_blocks:  # can never fit: no point retrying
+            if exc.needed_blocks > self.bm.num_usable_blocks:  # can never fit: no point retrying
                 return None, AdmitReply(ok=False, error=f"request larger than the KV pool: {exc}")
             return None, AdmitReply(ok=False, error=str(exc), retry_after_ms=50)
         seq = self._sequence(request_id, [0] * prompt_len, sampling)

@@ -151,7 +151,7 @@ class WorkerMetrics:
         self.steal_budget.labels(wid).set(t.steal_budget_tokens)
         bm = rt.engine.block_manager
         self.kv_free.labels(wid).set(bm.num_free_blocks)
-        self.kv_total.labels(wid).set(bm.num_blocks)
+        self.kv_total.labels(wid).set(bm.num_usable_blocks)
         self.kv_reserved.labels(wid).set(bm.num_reserved_blocks)
         self.queue_len.labels(wid).set(rt.prefill.queue_len)
         self.running.labels(wid).set(rt.decode.num_running)

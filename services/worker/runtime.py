@@ -98,6 +98,7 @@ class WorkerRuntime:
         await self._stack.enter_async_context(self.bus)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{cfg.worker_id}")
         self.engine = await loop.run_in_executor(self.executor, build_engine, cfg)
+        self.engine.reslice(self.role)  # a prefill worker's arena lends its workspace
         fingerprint = fingerprint_of(self.engine)
         self.node = TransferNode()
         await self.node.start()

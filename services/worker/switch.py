@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from shared.bus.errors import BusError
+from shared.errors import BlockStateError
 from shared.messages import Ack, Role, StateEvent, SwitchCommand, SwitchReply
 
 if TYPE_CHECKING:
@@ -112,17 +113,36 @@ class RoleSwitcher:
             await self._set_state("active", "switch cancelled: drain deadline")
             return
         await self._set_state("switch", f"{from_role}->{to_role}")
+        t_reslice = time.perf_counter()
+        lent_blocks = self._reslice(to_role)
+        reslice_s = time.perf_counter() - t_reslice
         rt.role = to_role
         rt.prefill.admitting = rt.decode.admitting = True
-        t_switch = time.perf_counter()
         await self._set_state("active", f"now {to_role}")
         self.switches_total += 1
         self.last_durations_ms = {
             "drain_ms": (t_drain - t0) * 1e3,
-            "reslice_ms": (t_switch - t_drain) * 1e3,
-            "route_update_ms": (time.perf_counter() - t_switch) * 1e3,
+            "reslice_ms": reslice_s * 1e3,
+            # the registry writes and state events that make routers see the new role
+            "route_update_ms": (time.perf_counter() - t_drain - reslice_s) * 1e3,
         }
-        log.info("switch_done", worker_id=rt.cfg.worker_id, to=to_role, **self.last_durations_ms)
+        log.info(
+            "switch_done",
+            worker_id=rt.cfg.worker_id,
+            to=to_role,
+            workspace_blocks=lent_blocks,
+            **self.last_durations_ms,
+        )
+
+    def _reslice(self, to_role: Role) -> int:
+        """Re-slice the arena for the new role (Engine.reslice). Runs on the event loop
+        while drained (no forward runs, the block manager is loop-owned). A tail still in
+        use (a late reservation) only skips the workspace: the switch goes on."""
+        try:
+            return int(self.rt.engine.reslice(to_role))
+        except BlockStateError as exc:
+            log.warning("reslice_skipped", worker_id=self.rt.cfg.worker_id, reason=str(exc))
+            return 0
 
     async def _wait(self, done: Callable[[], bool], progress: asyncio.Event) -> bool:
         """Until ``done()`` (True) or the drain deadline (False). Re-checked whenever the

@@ -178,7 +178,7 @@ class Telemetry:
     def _decode_load(self) -> DecodeLoad:
         dec = self.rt.decode
         bm = self.rt.engine.block_manager
-        capacity = bm.num_blocks * bm.block_size
+        capacity = bm.num_usable_blocks * bm.block_size
         active_tokens = sum(r.seq.num_tokens for r in dec.runnable)
         # C_reserved: everything held but not yet filled (pending transfers and the decode
         # horizon installed requests hold), so that C_alloc (eq. 6) is exactly the free pool.
@@ -252,7 +252,7 @@ class Telemetry:
             queue_len=pf.queue_len,
             running=dec.num_running,
             free_blocks=bm.num_free_blocks,
-            total_blocks=bm.num_blocks,
+            total_blocks=bm.num_usable_blocks,
             ppi=self.ppi,
             dpi_load=self.dpi_load,
             dpi_adm=self.dpi_adm,

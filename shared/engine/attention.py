@@ -50,6 +50,15 @@ class TorchPagedAttention:
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
+        # [2, max_blocks, bs, Hkv, D]: where prompt chunks gather their context. Carved from
+        # the KV arena when the worker takes the prefill role (Engine.reslice); None: each
+        # gather allocates (large ones cost fresh pages every layer).
+        self.workspace: torch.Tensor | None = None
+
+    def workspace_nbytes(self, max_context_len: int, kv_layer_shape: torch.Size, elt: int) -> int:
+        """Bytes a workspace needs to gather one layer's K and V of ``max_context_len``."""
+        _, _, bs, hkv, d = kv_layer_shape
+        return 2 * -(-max_context_len // bs) * bs * hkv * d * elt
 
     def __call__(
         self,
@@ -64,7 +73,7 @@ class TorchPagedAttention:
             return self._decode(q, kv_layer, batch)
         out = torch.empty_like(q)
         for span in batch.spans:
-            keys, values = _gather(kv_layer, span.block_table, span.context_len)
+            keys, values = _gather(kv_layer, span.block_table, span.context_len, self.workspace)
             qs = q[span.q_start : span.q_start + span.q_len].transpose(0, 1)  # [Hq, q, D]
             mask = None
             if span.q_len > 1:
@@ -103,13 +112,22 @@ class TorchPagedAttention:
 
 
 def _gather(
-    kv_layer: torch.Tensor, block_table: torch.Tensor, context_len: int
+    kv_layer: torch.Tensor,
+    block_table: torch.Tensor,
+    context_len: int,
+    workspace: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contiguous K and V ``[Hkv, context_len, D]`` of one sequence."""
-    blocks = kv_layer[block_table]  # [nb, 2, bs, Hkv, D]
-    nb, _, bs, hkv, d = blocks.shape
-    keys = blocks[:, 0].reshape(nb * bs, hkv, d)[:context_len].transpose(0, 1)
-    values = blocks[:, 1].reshape(nb * bs, hkv, d)[:context_len].transpose(0, 1)
+    """Contiguous K and V ``[Hkv, context_len, D]`` of one sequence, gathered into
+    ``workspace`` (overwritten; valid until the next gather) when it is large enough."""
+    nb = block_table.shape[0]
+    _, _, bs, hkv, d = kv_layer.shape
+    if workspace is not None and nb <= workspace.shape[1]:
+        keys = torch.index_select(kv_layer[:, 0], 0, block_table, out=workspace[0, :nb])
+        values = torch.index_select(kv_layer[:, 1], 0, block_table, out=workspace[1, :nb])
+    else:
+        keys, values = kv_layer[:, 0][block_table], kv_layer[:, 1][block_table]
+    keys = keys.view(nb * bs, hkv, d)[:context_len].transpose(0, 1)
+    values = values.view(nb * bs, hkv, d)[:context_len].transpose(0, 1)
     return keys, values
 
 

@@ -311,9 +311,13 @@ class BlockManager:
         return tail
 
     def reclaim_lent(self) -> int:
-        """Return lent blocks to the back of the free list (their generation bumps when
-        next handed out). Returns how many came back; 0 when none were lent."""
+        """Return lent blocks to the back of the free list (zeroed first when zeroing is
+        on; their generation bumps when next handed out). Returns how many came back; 0
+        when none were lent."""
         tail, self._lent = self._lent, range(self.num_blocks, self.num_blocks)
+        if tail and self._zero_fn is not None:  # the workspace held gathered KV
+            self._zero_fn(tail)
+            self.stats.zeroed_blocks_total += len(tail)
         for b in tail:
             self._is_free[b] = True
             self._free.append(b)

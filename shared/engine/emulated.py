@@ -139,6 +139,11 @@ class EmulatedEngine:
                 f"prompt has {num_prompt_tokens} tokens; the context limit is {self.max_model_len}"
             )
 
+    def reslice(self, role: str) -> int:
+        """Same contract as ``Engine.reslice``; the emulated engine computes no activations,
+        so nothing is lent and the KV pool keeps its size. Returns 0."""
+        return 0
+
     # ------------------------------------------------------------- descriptors
     def fingerprint_fields(self) -> dict[str, Any]:
         return {

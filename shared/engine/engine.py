@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shared.engine.attention import make_attention
+from shared.engine.attention import TorchPagedAttention, make_attention
 from shared.engine.batch import StepInput, build_batch
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig, ModelConfig
@@ -141,6 +141,39 @@ class Engine:
             for i, tok in zip(rows, toks, strict=True):
                 out[i] = tok
         return out
+
+    # ---------------------------------------------------------------- re-slice
+    def reslice(self, role: str) -> int:
+        """Re-slice the arena for ``role`` (a FluidRole switch, and at start): ``prefill``
+        lends the arena's tail blocks to the attention backend as the workspace prompt
+        chunks gather their context into (at most 1/8 of the pool; contexts beyond it
+        gather into fresh memory); ``decode`` returns them to the KV pool. Nothing is
+        freed to the OS or reloaded. Returns the number of blocks lent afterwards.
+
+        Mutates the block manager and the backend: call only while no forward runs.
+        Raises BlockStateError (nothing changed) if the tail blocks are in use.
+        """
+        bm, attn = self.block_manager, self.model.attention
+        if not isinstance(attn, TorchPagedAttention):
+            return 0  # FlashInfer keeps its own workspace buffers
+        if role == "decode":
+            attn.workspace = None
+            bm.reclaim_lent()
+            return 0
+        if bm.lent_blocks:
+            return len(bm.lent_blocks)
+        kv_layer = self._kv_layers[0]
+        elt = kv_layer.element_size()
+        want = attn.workspace_nbytes(self.max_model_len, kv_layer.shape, elt)
+        num_blocks = min(-(-want // self.arena.block_nbytes), bm.num_blocks // 8)
+        if num_blocks <= 0:
+            return 0
+        lent = bm.lend_tail(num_blocks)
+        _, _, bs, hkv, d = kv_layer.shape
+        max_blocks = (num_blocks * self.arena.block_nbytes) // (2 * bs * hkv * d * elt)
+        raw = self.arena.run_bytes(lent.start, len(lent)).view(kv_layer.dtype)
+        attn.workspace = raw[: 2 * max_blocks * bs * hkv * d].view(2, max_blocks, bs, hkv, d)
+        return num_blocks
 
     def check_prompt(self, num_prompt_tokens: int, max_tokens: int = 1) -> None:
         """Raise ContextLengthError if the prompt cannot be served at all."""

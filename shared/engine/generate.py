@@ -48,9 +48,9 @@ def generate(
     bm = engine.block_manager
     for s in seqs:
         engine.check_prompt(len(s.prompt_token_ids))
-        if bm.blocks_for_tokens(len(s.prompt_token_ids) + 1) > bm.num_blocks:
+        if bm.blocks_for_tokens(len(s.prompt_token_ids) + 1) > bm.num_usable_blocks:
             raise NoFreeBlocksError(
-                bm.blocks_for_tokens(len(s.prompt_token_ids) + 1), bm.num_blocks
+                bm.blocks_for_tokens(len(s.prompt_token_ids) + 1), bm.num_usable_blocks
             )
     waiting: deque[Sequence] = deque(seqs)
     prefilling: list[Sequence] = []  # admitted, prompt not fully computed yet
