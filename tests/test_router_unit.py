@@ -207,20 +207,22 @@ def test_round_robin_cycles_roles_independently() -> None:
 
 def test_pressure_picks_lowest_ppi_and_least_pressured_decode() -> None:
     pol = PressurePolicy(stale_after_s=5.0)
-    pol.observe(telemetry("p1", "prefill", ppi=0.9))
-    pol.observe(telemetry("p2", "prefill", ppi=0.2))
-    pol.observe(telemetry("d1", "decode", dpi_adm=0.5, free_blocks=50))
-    pol.observe(telemetry("d2", "decode", dpi_adm=0.1, free_blocks=10))
-    pol.observe(telemetry("d3", "decode", dpi_adm=0.1, free_blocks=80))
-    assert pol.choose(P, D) == ("p2", "d3")
-    # ties on ppi break on queue length (plus requests sent since the last telemetry)
-    pol.observe(telemetry("p1", "prefill", ppi=0.0, queue_len=3))
-    pol.observe(telemetry("p2", "prefill", ppi=0.0, queue_len=1))
-    assert pol.choose(P, D)[0] == "p2"
-    assert pol.choose(P, D)[0] == "p2"  # p2: 1 + 1 sent < 3
-    assert pol.choose(P, D)[0] in ("p1", "p2")
+    t = time.monotonic()
+    pol.observe(telemetry("p1", "prefill", ppi=0.9), now_mono_s=t)
+    pol.observe(telemetry("p2", "prefill", ppi=0.2), now_mono_s=t)
+    pol.observe(telemetry("d1", "decode", dpi_adm=0.5, free_blocks=50), now_mono_s=t)
+    pol.observe(telemetry("d2", "decode", dpi_adm=0.1, free_blocks=10), now_mono_s=t)
+    pol.observe(telemetry("d3", "decode", dpi_adm=0.1, free_blocks=80), now_mono_s=t)
+    assert pol.choose(P, D, now_mono_s=t) == ("p2", "d3")
+    # ties on the estimated ppi break on queue length (plus requests sent since telemetry);
+    # a request of 1 token adds next to nothing to a worker's estimated PPI (but not 0).
+    t += 0.1
+    pol.observe(telemetry("p1", "prefill", ppi=0.0, queue_len=3), now_mono_s=t)
+    pol.observe(telemetry("p2", "prefill", ppi=0.0, queue_len=1), now_mono_s=t)
+    assert pol.choose(P, D, now_mono_s=t, prompt_tokens=1)[0] == "p2"
+    assert pol.choose(P, D, now_mono_s=t, prompt_tokens=1)[0] == "p1"  # p2 now above 0
     # excluded workers are skipped
-    assert pol.choose(P, D, frozenset({"p2", "d3"}))[1] in ("d1", "d2")
+    assert pol.choose(P, D, frozenset({"p2", "d3"}), now_mono_s=t)[1] in ("d1", "d2")
 
 
 def test_pressure_falls_back_to_round_robin_without_fresh_telemetry() -> None:

@@ -64,7 +64,9 @@ class Router:
         self.registry = CollectorRegistry()
         self.metrics = RouterMetrics.create(self.registry)
         self.tokenizer = tokenizer
-        self.policy = make_policy(cfg.pairing, cfg.telemetry_stale_s)
+        self.policy = make_policy(
+            cfg.pairing, cfg.telemetry_stale_s, ttft_s=cfg.ttft_slo_ms / 1000.0
+        )
         self.bus: Bus | None = None
         self.watcher: RegistryWatcher | None = None
         self.dispatcher: Dispatcher | None = None

@@ -86,6 +86,10 @@ class Dispatcher:
                     # A live migration moved the request to another decode worker: that
                     # worker now holds it (for worker-loss handling).
                     entry.decode_id = batch.publisher_id
+                if item.token_ids or item.finish_reason is not None:
+                    # Admitted and running (or over): the decode worker's telemetry now
+                    # counts it, so the pairing stops counting it as in flight to it.
+                    self.policy.settle(item.request_id)
                 entry.stream.offer(item, now)
 
     def on_registry_change(self, change: RegistryChange) -> None:
@@ -138,9 +142,18 @@ class Dispatcher:
                 self.cancel_soon(entry, code)
 
     # --- submission -------------------------------------------------------------------
-    def _pick(self, exclude: frozenset[str]) -> tuple[str, str]:
+    def _pick(
+        self, exclude: frozenset[str], request_id: str, prompt_tokens: int, max_tokens: int
+    ) -> tuple[str, str]:
         try:
-            return self.policy.choose(self._workers("prefill"), self._workers("decode"), exclude)
+            return self.policy.choose(
+                self._workers("prefill"),
+                self._workers("decode"),
+                exclude,
+                prompt_tokens=prompt_tokens,
+                max_tokens=max_tokens,
+                request_id=request_id,
+            )
         except NoWorkerError as exc:
             raise Unavailable(
                 f"{exc}; retry later", code="no_active_workers", retry_after_s=RETRY_AFTER_S
@@ -165,7 +178,9 @@ class Dispatcher:
         exclude: frozenset[str] = frozenset()
         last_error: Exception | None = None
         for attempt in range(2):
-            prefill_id, decode_id = self._pick(exclude)
+            prefill_id, decode_id = self._pick(
+                exclude, request_id, len(req.prompt_token_ids), max_tokens
+            )
             target = decode_id if short else prefill_id
             msg = PrefillRequest(
                 request_id=request_id,
@@ -259,6 +274,7 @@ class Dispatcher:
     def release(self, entry: InFlight) -> None:
         """Forget the request; later items for it are dropped."""
         self.in_flight.pop(entry.request_id, None)
+        self.policy.settle(entry.request_id)
 
     async def stop(self) -> None:
         """End every request (router shutting down) and wait for pending cancels."""

@@ -81,7 +81,9 @@ class Simulation(ControlPlane):
         self.workers: list[SimWorker] = initial_workers(
             cfg.workers, cfg.initial_prefill, num_blocks
         )
-        self.router = SimRouter(self.workers, cfg.pairing)
+        self.router = SimRouter(
+            self.workers, cfg.pairing, profile, cfg.policy.ttft_s, cfg.block_size, cfg.max_num_seqs
+        )
         ordered = sorted(trace, key=lambda t: t.arrival_s)
         self.reqs = [
             SimRequest(i, t.arrival_s, t.prompt_tokens, t.output_tokens, t.source, t.window)
@@ -154,8 +156,8 @@ class Simulation(ControlPlane):
         if r.prompt + 1 > self._max_ctx:  # engine.check_prompt: rejected at once
             self.fail(r)
             return
-        p = self.router.pick(PREFILL)
-        d = self.router.pick(DECODE)
+        p = self.router.pick(PREFILL, req=r)
+        d = self.router.pick(DECODE, req=r)
         r.pw, r.dw, r.decode_id = p.index, d.index, d.wid
         p.queue.append(r)
         if p.current is None:
@@ -190,7 +192,7 @@ class Simulation(ControlPlane):
         cfg, now = self.cfg, self.now
         d = self.workers[r.dw]
         if not (d.role == DECODE and d.state == "active"):
-            d = self.router.pick(DECODE)  # re-pair (module doc: deviation)
+            d = self.router.pick(DECODE, req=r)  # re-pair (module doc: deviation)
             r.dw, r.decode_id = d.index, d.wid
         if first:
             r.give_up_s = now + max(cfg.admit_timeout_s, r.arrival_s + self.policy.ttft_s - now)

@@ -1,17 +1,35 @@
 """The router's pairing, as services/router/pairing.py does it, over simulated workers.
 
 * round_robin: independent cursors over the sorted Active prefill ids and decode ids.
-* pressure: the Active prefill worker with the lowest PPI (ties: shortest queue counting the
-  requests sent since its last telemetry), the Active decode worker with the lowest
-  ``round(dpi_adm, 3)`` (ties: fewest sent since telemetry, then most free blocks), then id.
-  Telemetry in the simulator is never stale (every worker publishes every 20 ms), so the
-  real policy's stale-telemetry fallback never applies.
+* pressure: the same ranking as the real ``PressurePolicy``, through the same scoring
+  functions (``prefill_score``, ``decode_score``): the Active prefill worker with the lowest
+  estimated PPI — telemetry PPI + Σ T_pre(L) / S_TTFT over the requests sent since its last
+  telemetry (ties: telemetry queue length + sent since) — and the Active decode worker with
+  the lowest estimated admission pressure — the larger of telemetry DPI_adm + the blocks of
+  its unsettled pairings / its blocks, and (running + unsettled) / ``max_num_seqs`` (ties:
+  unsettled, then most free blocks) — then id. A decode pairing is settled when the
+  request's first token is out (or it ended, or was re-paired): the real router settles at
+  the first token it receives (it passes request ids to ``choose``).
+
+Telemetry in the simulator is instantaneous and never stale (every worker publishes every
+20 ms and sees a request the moment it is sent), so a telemetry tick supersedes the whole
+prefill estimate (the real router keeps the sends of the last few ms, see its module doc)
+and the stale-telemetry fallback never applies. A tick shows here as the worker's
+``sent_since`` counter reset to 0 (control.py). Settled pairings are pruned off the front of
+each decode worker's list (pairing order), so one settled behind an unsettled one counts a
+little longer than in the real router (an approximation that keeps a pick O(workers)). The
+decode reservation counted is exactly what admission will reserve (prompt + output, capped
+by the context: the simulated request's output is its max_tokens).
 """
 
 from __future__ import annotations
 
-from services.sim.workers import SimWorker
+from collections import deque
+
+from services.router.pairing import decode_score, prefill_score
+from services.sim.workers import SimRequest, SimWorker
 from shared.policy.fluidrole import DECODE, PREFILL
+from shared.policy.predictors import LatencyProfile
 
 
 class NoActiveWorker(RuntimeError):
@@ -19,12 +37,29 @@ class NoActiveWorker(RuntimeError):
 
 
 class SimRouter:
-    """Mutates its cursors and the workers' ``sent_since`` counters."""
+    """Mutates its cursors, its per-worker send estimates and the workers' ``sent_since``."""
 
-    def __init__(self, workers: list[SimWorker], pairing: str) -> None:
+    def __init__(
+        self,
+        workers: list[SimWorker],
+        pairing: str,
+        profile: LatencyProfile | None = None,
+        ttft_s: float = 2.0,
+        block_size: int = 16,
+        max_num_seqs: int = 0,
+    ) -> None:
         self.workers = workers
         self.pressure = pairing == "pressure"
+        self.profile = profile
+        self.ttft_s = ttft_s
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
         self._cursor = {PREFILL: 0, DECODE: 0}
+        # Since each worker's last telemetry (valid while its sent_since > 0).
+        self._sent_work_s = [0.0] * len(workers)
+        # Decode pairings not settled yet (no first token), in pairing order, and sums.
+        self._pending: list[deque[tuple[SimRequest, int]]] = [deque() for _ in workers]
+        self._pend_blocks = [0] * len(workers)
 
     def _active(self, role: str, exclude: int = -1) -> list[SimWorker]:
         # Workers are indexed in id order, so this list is already sorted by id.
@@ -35,18 +70,61 @@ class SimRouter:
             raise NoActiveWorker(f"no active {role} worker")
         return out
 
-    def pick(self, role: str, exclude: int = -1) -> SimWorker:
-        """One worker of ``role`` for a new request (``exclude``: a worker to avoid)."""
+    def pick(self, role: str, exclude: int = -1, req: SimRequest | None = None) -> SimWorker:
+        """One worker of ``role`` for ``req`` (``exclude``: a worker to avoid). Without
+        ``req`` (or a profile) a send counts only in ``sent_since``."""
         ids = self._active(role, exclude)
         if not self.pressure:
             i = self._cursor[role]
             self._cursor[role] = i + 1
             return ids[i % len(ids)]
         if role == PREFILL:
-            best = min(ids, key=lambda w: (w.ppi, w.queue_len_tel + w.sent_since, w.wid))
-        else:
-            best = min(
-                ids, key=lambda w: (round(w.dpi_adm, 3), w.sent_since, -w.free_blocks_tel, w.wid)
-            )
+            return self._pick_prefill(ids, req)
+        return self._pick_decode(ids, req)
+
+    def _pick_prefill(self, ids: list[SimWorker], req: SimRequest | None) -> SimWorker:
+        work, ttft = self._sent_work_s, self.ttft_s
+        best = min(
+            ids,
+            key=lambda w: (
+                prefill_score(w.ppi, work[w.index] if w.sent_since else 0.0, ttft),
+                w.queue_len_tel + w.sent_since,
+                w.wid,
+            ),
+        )
+        i = best.index
+        if best.sent_since == 0:  # a telemetry tick since the last send: start afresh
+            work[i] = 0.0
         best.sent_since += 1
+        if req is not None and self.profile is not None:
+            work[i] += max(0.0, self.profile.prefill_time_s(req.prompt))
+        return best
+
+    def _unsettled(self, w: SimWorker) -> int:
+        """Prune settled pairings off the front of ``w``'s list; return how many remain."""
+        q = self._pending[w.index]
+        while q:
+            r, blocks = q[0]
+            if r.t_first < 0 and not r.done and r.dw == w.index:
+                break
+            q.popleft()
+            self._pend_blocks[w.index] -= blocks
+        return len(q)
+
+    def _pick_decode(self, ids: list[SimWorker], req: SimRequest | None) -> SimWorker:
+        pend, seqs = self._pend_blocks, self.max_num_seqs
+
+        def key(w: SimWorker) -> tuple[float, int, int, str]:
+            n = self._unsettled(w)  # prunes first, so pend[] is current
+            blocks = pend[w.index]
+            score = decode_score(w.dpi_adm, blocks, w.num_blocks, w.running_tel, n, seqs)
+            return (score, n, blocks - w.free_blocks_tel, w.wid)
+
+        best = min(ids, key=key)
+        best.sent_since += 1
+        if req is not None and self.profile is not None:
+            tokens = min(req.prompt + req.output, self.profile.max_context_tokens)
+            blocks = -(-tokens // self.block_size)
+            self._pending[best.index].append((req, blocks))
+            pend[best.index] += blocks
         return best

@@ -1,0 +1,234 @@
+"""Pressure-aware pairing between two telemetry messages (services/router/pairing.py).
+
+Numbers are chosen to be exact in binary floating point so that ties are real ties:
+T_pre(L) = L / 1024 s, S_TTFT = 1 s, so a 128-token prompt raises a prefill worker's
+estimated PPI by 0.125; a decode worker has 128 blocks of 16 tokens, and a 128-token prompt
+with max_tokens 128 reserves 256 tokens = 16 blocks = 0.125 of its KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from services.router.pairing import (
+    PressureConfig,
+    PressurePolicy,
+    RoundRobinPolicy,
+    decode_score,
+    make_policy,
+    prefill_score,
+)
+from shared.messages import Role, WorkerRecord, WorkerTelemetry
+from shared.policy.predictors import example_profile
+
+PROFILE = dataclasses.replace(example_profile(), prefill_c1_s_per_token=1 / 1024, prefill_c0_s=0.0)
+T0 = 1000.0  # monotonic seconds of the first telemetry in each test
+
+
+def record(worker_id: str, role: Role) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id,
+        role=role,
+        state="active",
+        pid=1,
+        host="h",
+        model="m",
+        fingerprint="f",
+        kv_total_blocks=128,
+        kv_block_size=16,
+        max_model_len=4096,
+        started_at_s=0.0,
+        heartbeat_at_s=0.0,
+        heartbeat_period_s=1.0,
+    )
+
+
+def telemetry(
+    worker_id: str, role: Role, *, seq: int = 0, ppi: float = 0.0, dpi_adm: float = 0.0
+) -> WorkerTelemetry:
+    return WorkerTelemetry(
+        publisher_id=worker_id,
+        epoch=1,
+        seq=seq,
+        time_s=0.0,
+        role=role,
+        state="active",
+        queue_len=0,
+        running=0,
+        free_blocks=round(128 * (1 - dpi_adm)),
+        total_blocks=128,
+        ppi=ppi,
+        dpi_load=0.0,
+        dpi_adm=dpi_adm,
+    )
+
+
+P = [record("p1", "prefill"), record("p2", "prefill"), record("p3", "prefill")]
+D = [record("d1", "decode"), record("d2", "decode")]
+
+
+def policy(**kw: float) -> PressurePolicy:
+    return PressurePolicy(cfg=PressureConfig(stale_after_s=1.0, ttft_s=1.0, profile=PROFILE, **kw))
+
+
+def seed(pol: PressurePolicy, now: float = T0, seq: int = 0) -> None:
+    for wid, ppi in (("p1", 0.0), ("p2", 0.25), ("p3", 0.5)):
+        pol.observe(telemetry(wid, "prefill", seq=seq, ppi=ppi), now_mono_s=now)
+    for wid, adm in (("d1", 0.0), ("d2", 0.25)):
+        pol.observe(telemetry(wid, "decode", seq=seq, dpi_adm=adm), now_mono_s=now)
+
+
+def burst(pol: PressurePolicy, n: int, now: float) -> list[tuple[str, str]]:
+    return [pol.choose(P, D, prompt_tokens=128, max_tokens=128, now_mono_s=now) for _ in range(n)]
+
+
+def test_scores_rise_by_the_work_sent() -> None:
+    assert prefill_score(0.25, 0.5, 2.0) == 0.5  # + T_pre / S_TTFT
+    assert decode_score(0.25, 16, 128) == 0.375  # + reserved blocks / all blocks
+    assert decode_score(0.0, 5, 0) == 5.0  # no division by zero
+
+
+def test_burst_within_one_period_water_fills_by_headroom() -> None:
+    pol = policy()
+    seed(pol)
+    pairs = burst(pol, 10, T0 + 0.001)
+    # Each worker is filled until its estimated PPI (0 / 0.25 / 0.5 + 0.125 per request)
+    # reaches the others'; ties go to the worker with fewer requests sent since telemetry.
+    assert [p for p, _ in pairs] == ["p1", "p1", "p2", "p1", "p2", "p1", "p3", "p2", "p1", "p3"]
+    # Decode: estimated DPI_adm 0 / 0.25 + 0.125 per request (16 of 128 blocks).
+    assert [d for _, d in pairs] == ["d1", "d1", "d2", "d1", "d2", "d1", "d2", "d1", "d2", "d1"]
+    # The old ranking (telemetry only) sent the whole burst to p1 and d1.
+    assert {p for p, _ in pairs} == {"p1", "p2", "p3"}
+
+
+def test_request_size_matters() -> None:
+    pol = policy()
+    seed(pol)
+    # A 512-token prompt (+0.5) on p1 puts it above p2 (0.25): the next goes to p2.
+    assert pol.choose(P, D, prompt_tokens=512, max_tokens=128, now_mono_s=T0)[0] == "p1"
+    assert pol.choose(P, D, prompt_tokens=128, max_tokens=128, now_mono_s=T0)[0] == "p2"
+    # Without sizes the configured defaults count (1024 tokens: +1.0).
+    pol2 = policy()
+    seed(pol2)
+    assert [pol2.choose(P, D, now_mono_s=T0)[0] for _ in range(3)] == ["p1", "p2", "p3"]
+
+
+def test_later_telemetry_resets_the_local_estimate() -> None:
+    pol = policy()
+    seed(pol)
+    assert [p for p, _ in burst(pol, 4, T0 + 0.001)] == ["p1", "p1", "p2", "p1"]
+    # p1 reports again (it has seen those 3 requests): its PPI is what it says, 0.125,
+    # and the sends before the message no longer count on top of it.
+    pol.observe(telemetry("p1", "prefill", seq=1, ppi=0.125), now_mono_s=T0 + 0.020)
+    # p1 0.125 < p2 0.375 (0.25 + one sent) < p3 0.5
+    assert [p for p, _ in burst(pol, 3, T0 + 0.021)] == ["p1", "p1", "p2"]
+
+
+def test_telemetry_arriving_right_after_a_send_keeps_counting_it() -> None:
+    pol = policy(telemetry_lag_s=0.005)
+    seed(pol)
+    assert pol.choose(P, D, prompt_tokens=1024, max_tokens=128, now_mono_s=T0 + 0.010)[0] == "p1"
+    # Received 3 ms after the send: it may predate the request, so p1 stays at 0 + 1.0.
+    pol.observe(telemetry("p1", "prefill", seq=1, ppi=0.0), now_mono_s=T0 + 0.013)
+    assert pol.choose(P, D, prompt_tokens=128, max_tokens=128, now_mono_s=T0 + 0.014)[0] == "p2"
+    # Received 6 ms after it: it reflects the request (its PPI says so); no double count.
+    pol.observe(telemetry("p1", "prefill", seq=2, ppi=0.125), now_mono_s=T0 + 0.016)
+    assert pol.choose(P, D, prompt_tokens=128, max_tokens=128, now_mono_s=T0 + 0.017)[0] == "p1"
+
+
+def test_out_of_order_telemetry_is_ignored() -> None:
+    pol = policy()
+    seed(pol, seq=5)
+    pol.observe(telemetry("p1", "prefill", seq=4, ppi=9.0), now_mono_s=T0 + 0.01)
+    assert pol.choose(P, D, prompt_tokens=128, max_tokens=128, now_mono_s=T0 + 0.02)[0] == "p1"
+    # A restarted worker (new epoch) starts again at seq 0 and is believed.
+    restarted = dataclasses.replace(telemetry("p1", "prefill", seq=0, ppi=9.0), epoch=2)
+    pol.observe(restarted, now_mono_s=T0 + 0.03)
+    assert pol.choose(P, D, prompt_tokens=128, max_tokens=128, now_mono_s=T0 + 0.04)[0] == "p2"
+
+
+def test_stale_telemetry_falls_back_to_round_robin() -> None:
+    pol = policy()
+    seed(pol)
+    later = T0 + 1.5  # every message is older than stale_after_s = 1 s
+    pairs = burst(pol, 6, later)
+    assert [p for p, _ in pairs] == ["p1", "p2", "p3"] * 2
+    assert [d for _, d in pairs] == ["d1", "d2"] * 3
+    # One fresh worker ranks first; the stale ones come after it whatever they reported.
+    pol.observe(telemetry("p3", "prefill", seq=1, ppi=3.0), now_mono_s=later)
+    assert [p for p, _ in burst(pol, 3, later + 0.01)] == ["p3"] * 3
+
+
+def test_forget_drops_telemetry_and_ledger() -> None:
+    pol = policy()
+    seed(pol)
+    burst(pol, 2, T0)
+    pol.forget("p1")
+    # p1 has no telemetry now: it ranks after the fresh p2, p3.
+    assert [p for p, _ in burst(pol, 2, T0)] == ["p2", "p2"]
+
+
+def test_config_validation_and_make_policy() -> None:
+    with pytest.raises(ValueError):
+        PressureConfig(ttft_s=0.0)
+    with pytest.raises(ValueError):
+        PressureConfig(stale_after_s=0.1, telemetry_lag_s=0.2)
+    with pytest.raises(ValueError):
+        PressureConfig(decode_reserve_tokens=0)
+    pol = make_policy("pressure", 2.0, ttft_s=3.0)
+    assert isinstance(pol, PressurePolicy)
+    assert (pol.stale_after_s, pol.cfg.ttft_s) == (2.0, 3.0)
+    assert pol.cfg.prefill_work_s(1000) > 0  # the shipped default profile
+    rr = make_policy("round_robin")
+    assert isinstance(rr, RoundRobinPolicy)
+    assert rr.choose(P, D, prompt_tokens=5) == ("p1", "d1")  # accepts (ignores) the sizes
+    with pytest.raises(ValueError):
+        make_policy("random")
+
+
+def test_decode_pairings_count_until_settled_not_until_telemetry() -> None:
+    pol = policy()
+    seed(pol)
+    ids = [f"r{i}" for i in range(3)]
+    got = [
+        pol.choose(P, D, prompt_tokens=128, max_tokens=128, request_id=r, now_mono_s=T0)[1]
+        for r in ids
+    ]
+    assert got == ["d1", "d1", "d2"]  # d1 0 → 0.125 → 0.25 ties d2 0.25 (fewer sent)
+    # d1's telemetry cannot show requests still queued at their prefill workers: it says 0.
+    pol.observe(telemetry("d1", "decode", seq=1, dpi_adm=0.0), now_mono_s=T0 + 0.1)
+    nxt = pol.choose(P, D, prompt_tokens=128, max_tokens=128, request_id="r3", now_mono_s=T0 + 0.1)
+    assert nxt[1] == "d1"  # d1 0.25 (two unsettled) vs d2 0.375 (0.25 + one unsettled)
+    pol.settle("r0")
+    pol.settle("r1")
+    pol.settle("r3")
+    pol.settle("unknown")  # ignored
+    # d1 has nothing unsettled (0.0) against d2's 0.375: the next two go to d1.
+    later = [
+        pol.choose(
+            P, D, prompt_tokens=128, max_tokens=128, request_id=f"s{i}", now_mono_s=T0 + 0.1
+        )[1]
+        for i in range(2)
+    ]
+    assert later == ["d1", "d1"]
+
+
+def test_unsettled_pairings_expire_and_retries_replace_them() -> None:
+    pol = policy(pending_expiry_s=5.0)
+    seed(pol)
+    assert (
+        pol.choose(P, D, prompt_tokens=128, max_tokens=128, request_id="a", now_mono_s=T0)[1]
+        == "d1"
+    )
+    # The same id again (the dispatcher's retry) moves the pairing instead of adding one.
+    pair = pol.choose(
+        P, D, frozenset({"d1"}), prompt_tokens=128, max_tokens=128, request_id="a", now_mono_s=T0
+    )
+    assert pair[1] == "d2"
+    assert pol.choose(P, D, prompt_tokens=128, max_tokens=128, now_mono_s=T0)[1] == "d1"
+    # Fresh telemetry 6 s later: "a" (never settled) has expired, d2 ranks on what it says.
+    seed(pol, now=T0 + 6.0, seq=1)
+    assert pol.choose(P, D, prompt_tokens=128, max_tokens=128, now_mono_s=T0 + 6.0)[1] == "d1"
+    assert pol._pending == {}  # the bound on the policy's memory
