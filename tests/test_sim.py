@@ -198,3 +198,71 @@ def test_queue_timeout_aborts_requests_that_waited_too_long() -> None:
     assert abs(started - (int(10.0 / t_pre) + 1)) <= 1
     assert all(r.t_first < 0 for r in sim.reqs if r.failed)
     assert res.count == 60
+
+
+def test_sim_router_pressure_pairing_matches_the_real_policy() -> None:
+    """The simulator's router ranks with the router's own scoring: a burst between two
+    telemetry ticks water-fills the prefill workers exactly like PressurePolicy, a tick
+    resets the prefill estimate, and decode pairings count until their first token."""
+    import dataclasses
+
+    from services.router.pairing import PressureConfig, PressurePolicy
+    from services.sim.router import SimRouter
+    from services.sim.workers import SimRequest, initial_workers
+    from shared.messages import WorkerRecord, WorkerTelemetry
+    from shared.policy.fluidrole import DECODE, PREFILL
+    from shared.policy.predictors import example_profile
+
+    profile = dataclasses.replace(
+        example_profile(), prefill_c1_s_per_token=1 / 1024, prefill_c0_s=0.0
+    )
+    workers = initial_workers(5, 3, num_blocks=128)  # w000..w002 prefill, w003, w004 decode
+    ppis = [0.0, 0.25, 0.5]
+    for w, ppi in zip(workers[:3], ppis, strict=True):
+        w.ppi = ppi
+    router = SimRouter(workers, "pressure", profile, ttft_s=1.0, block_size=16, max_num_seqs=64)
+    reqs = [SimRequest(i, 0.0, 128, 128, "code", 0) for i in range(10)]
+    sim_seq = [router.pick(PREFILL, req=r).wid for r in reqs]
+
+    pol = PressurePolicy(cfg=PressureConfig(ttft_s=1.0, profile=profile))
+    recs = [
+        WorkerRecord(
+            worker_id=w.wid, role="prefill", state="active", pid=1, host="h", model="m",
+            fingerprint="f", kv_total_blocks=128, kv_block_size=16, max_model_len=4096,
+            started_at_s=0.0, heartbeat_at_s=0.0, heartbeat_period_s=1.0,
+        )
+        for w in workers[:3]
+    ]  # fmt: skip
+    for w, ppi in zip(workers[:3], ppis, strict=True):
+        tel = WorkerTelemetry(
+            publisher_id=w.wid, epoch=1, seq=0, time_s=0.0, role="prefill", state="active",
+            queue_len=0, running=0, free_blocks=128, total_blocks=128, ppi=ppi, dpi_load=0.0,
+            dpi_adm=0.0,
+        )  # fmt: skip
+        pol.observe(tel, now_mono_s=10.0)
+    real_seq = [
+        pol.choose(recs, recs, prompt_tokens=128, max_tokens=128, now_mono_s=10.0)[0] for _ in reqs
+    ]
+    assert sim_seq == real_seq
+    expected = ["w000", "w000", "w001", "w000", "w001", "w000", "w002", "w001", "w000", "w002"]
+    assert sim_seq == expected
+    # A telemetry tick (control.py resets sent_since) supersedes the local estimate.
+    for w in workers:
+        w.sent_since = 0
+    workers[0].ppi = 0.625
+    assert router.pick(PREFILL, req=reqs[0]).wid == "w001"  # 0.25 < 0.5 < 0.625
+
+    # Decode: 256 tokens = 16 of 128 blocks = 0.125 per pairing; it stays counted across
+    # ticks until the request's first token is out.
+    d_reqs = [SimRequest(i, 0.0, 128, 128, "code", 0) for i in range(3)]
+    got = []
+    for r in d_reqs:
+        d = router.pick(DECODE, req=r)
+        r.dw = d.index
+        got.append(d.wid)
+    assert got == ["w003", "w004", "w003"]
+    for w in workers:
+        w.sent_since = 0  # a tick: the decode workers still report DPI_adm 0
+    assert router.pick(DECODE, req=SimRequest(9, 0.0, 128, 128, "code", 0)).wid == "w004"
+    d_reqs[0].t_first = 0.5  # first token out: settled
+    assert router.pick(DECODE, req=SimRequest(10, 0.0, 128, 128, "code", 0)).wid == "w003"
