@@ -156,6 +156,7 @@ class DecodeRole:
 
     def _start_receive(self, req: DecodeRequest, suffix_len: int = 0) -> AdmitReply:
         req.receive_task = asyncio.ensure_future(self._receive(req, req.ticket))
+        req.receive_task.add_done_callback(lambda _: self._release_unstarted(req))
         return AdmitReply(
             ok=True,
             transfer_id=req.ticket.transfer_id,
@@ -196,6 +197,14 @@ class DecodeRole:
         if suffix_len:
             req.suffix_token_ids = tuple(msg.suffix_token_ids)
         return self._start_receive(req, suffix_len)
+
+    def _release_unstarted(self, req: DecodeRequest) -> None:
+        """A receive task cancelled before its first step (admit and cancel both queued
+        while this process was stopped, then handled in one loop turn) never reached
+        ``receiver.receive``, which owns the reservation from its first line: release the
+        ticket here, or its blocks stay reserved for good."""
+        if not req.receive_started and req.ticket is not None:
+            self.receiver.release(req.ticket)
 
     async def _receive(self, req: DecodeRequest, ticket: Any) -> None:
         req.receive_started = True  # from here on the receiver owns the reservation

@@ -42,6 +42,7 @@ from shared.transfer.errors import (
     TransferError,
     TransferRejected,
     TransferTimeout,
+    TransportError,
 )
 from shared.transfer.ucx_node import TransferNode
 
@@ -287,8 +288,14 @@ class KVReceiver:
         """
         loop = asyncio.get_running_loop()
         hashes: list[asyncio.Future[list[int]]] = []
+        assert st.envelope is not None
         for req, view in zip(st.pinned, views, strict=True):
-            await self.node.wait(req)
+            try:
+                await self.node.wait(req)
+            except TransportError:
+                # On one host this is a failed copy of the sender's memory: it is gone.
+                self.node.note_peer_failure(st.envelope.src_address)
+                raise
             st.segments_done += 1
             if self.verify_checksums:
                 run = view.numpy()
@@ -361,11 +368,12 @@ class KVReceiver:
         with contextlib.suppress(Exception):
             self.bm.cancel_reservation(owner)
         await self._settle_control(st)
+        src = st.envelope.src_address if st.envelope is not None else b""
         for req in st.pinned:
-            if await self.node.settle(req):
+            if await self.node.settle(req) or self._peer_gone(src, owner):
                 self.bm.end_receive(owner)
             else:  # still posted: keep the blocks pinned until UCX lets go of them
-                task = asyncio.create_task(self._drain(req, owner))
+                task = asyncio.create_task(self._drain(req, owner, src))
                 self._drains.add(task)
                 task.add_done_callback(self._drains.discard)
         st.pinned.clear()
@@ -379,8 +387,19 @@ class KVReceiver:
         if st.envelope is not None and not st.sender_aborted:
             await self._send_verdict(st.envelope, False, error.reason)
 
-    async def _drain(self, req: Any, owner: str) -> None:
-        while not await self.node.settle(req, grace_s=60.0):
+    def _peer_gone(self, src_address: bytes, owner: str) -> bool:
+        """A receive that did not settle may be released only when its sender is known
+        dead: UCX dropped its RTS (ucx_guard, case 1) and the only possible writer, our own
+        copy from the sender's memory, can no longer run."""
+        if not src_address or not self.node.peer_failed(src_address):
+            return False
+        log.warning("kv receive from a dead sender released unsettled owner=%s", owner)
+        return True
+
+    async def _drain(self, req: Any, owner: str, src_address: bytes) -> None:
+        while not await self.node.settle(req, grace_s=1.0):
+            if self._peer_gone(src_address, owner):
+                break
             log.warning("kv receive still posted after cancel owner=%s", owner)
         self.bm.end_receive(owner)
 
@@ -395,7 +414,8 @@ class KVReceiver:
             with contextlib.suppress(TimeoutError, TransferError):
                 async with asyncio.timeout(1.0):
                     await self.node.wait(req)
-            await self.node.settle(req, grace_s=0.05)
+            if not await self.node.settle(req, grace_s=0.05):
+                self.node.linger(req)
         except Exception:
             log.warning("kv verdict not sent transfer=%x", env.transfer_id)
 

@@ -221,9 +221,11 @@ class KVSender:
             if not state["verdict"]:
                 await self._abort(ep, tid, failure)
             for req in [*posted, verdict_req]:
-                # A send the receiver never matches stays posted; it only reads our memory
-                # if a receive for its tag is posted, and the receiver cancelled those.
-                await self.node.settle(req, grace_s=0.05)
+                # A send the receiver never matches stays posted (UCX cannot cancel a
+                # send); a stopped receiver may still match it later, so its buffer (the
+                # envelope/trailer frames) must outlive this call: the node holds it.
+                if not await self.node.settle(req, grace_s=0.05):
+                    self.node.linger(req)
             release()
         timings["total_ms"] = (loop.time() - t0) * 1e3
         log.info(
@@ -265,7 +267,8 @@ class KVSender:
             with contextlib.suppress(TimeoutError, TransferError):
                 async with asyncio.timeout(0.2):
                     await self.node.wait(req)
-            await self.node.settle(req, grace_s=0.05)
+            if not await self.node.settle(req, grace_s=0.05):
+                self.node.linger(req)
         except Exception:
             log.warning("kv abort not sent transfer=%x", transfer_id)
 

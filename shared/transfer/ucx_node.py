@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from shared.transfer.errors import TransportError
+from shared.transfer.ucx_guard import PeerFailureGuard, apply_env_defaults
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,36 @@ class UcxOp:
         return bool(self.req.completed)
 
 
+def _rearm_after_events(loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
+    """Make ucxx's blocking progress mode re-arm the UCX worker after each epoll event.
+
+    ucxx 0.52's ``BlockingMode`` progresses the worker when its epoll fd is readable but
+    never re-arms it, so after the first transfer the fd stays readable and the event loop
+    runs the reader on every turn: ~40% of a core per idle worker, and the engine thread
+    waits up to a GIL switch interval (5 ms) after each step (measured: +5 ms per decode
+    iteration and per prefill). Re-arming after the event (as ucx-py does) lets the loop
+    sleep in epoll again. Returns the function that progresses the worker and re-arms it
+    (call it after posting an operation: local work raises no epoll event); None (nothing
+    changed) for other progress modes.
+    """
+    from ucxx._lib_async import application_context as app
+    from ucxx._lib_async.continuous_ucx_progress import BlockingMode
+
+    task = app.ProgressTasks.get(loop)
+    if not isinstance(task, BlockingMode):
+        return None
+
+    def on_event() -> None:
+        task.worker.progress()
+        if task.arm_task is None or task.arm_task.done():
+            task.arm_task = loop.create_task(task._arm_worker())
+
+    fd = task.worker.epoll_file_descriptor
+    loop.remove_reader(fd)
+    loop.add_reader(fd, on_event)
+    return on_event
+
+
 class TransferNode:
     """Owns this process's ucxx worker. Call ``await start()`` inside the event loop."""
 
@@ -117,11 +148,16 @@ class TransferNode:
         self._endpoints: dict[bytes, Any] = {}
         self._connecting: dict[bytes, asyncio.Future[Any]] = {}
         self._cancel_fn: Callable[[int], None] | None = None
+        self._kick: Callable[[], None] | None = None
+        self._guard = PeerFailureGuard()
+        self._failed_peers: set[bytes] = set()
+        self._lingering: list[UcxOp] = []  # unsettled ops whose buffers must stay alive
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Initialise UCX (progress mode ``blocking``). Raises TransportError on failure."""
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        apply_env_defaults()  # see ucx_guard: a dead sender must not take the receiver down
         if self.config.ucx_tls is not None:
             os.environ["UCX_TLS"] = self.config.ucx_tls
         import ucxx
@@ -132,7 +168,10 @@ class TransferNode:
             raise TransportError(f"one TransferNode per process: {exc}") from None
         # ucxx keeps its context private; the worker is what we post requests on.
         self._ctx = ucxx.core._get_ctx()
+        self._kick = _rearm_after_events(asyncio.get_running_loop())
         self._cancel_fn = _find_cancel()  # after ucxx loaded libucp, which libucxx needs
+        if not self._guard.install():
+            log.warning("UCS log hook not installed: a peer dying mid-copy may abort us")
         if self._cancel_fn is None:
             log.warning("ucxx Request::cancel not found: cancelled receives drain instead")
 
@@ -159,6 +198,25 @@ class TransferNode:
     @property
     def can_cancel(self) -> bool:
         return self._cancel_fn is not None
+
+    @property
+    def peer_guard_installed(self) -> bool:
+        return self._guard.installed
+
+    @property
+    def peer_copy_failures_vetoed(self) -> int:
+        """How many failed copies of a dead peer's memory UCX would have aborted us for."""
+        return self._guard.vetoed
+
+    def note_peer_failure(self, peer_address: bytes) -> None:
+        """A UCX operation with this peer failed at the transport (on one host: a copy of
+        its memory found the process gone)."""
+        self._failed_peers.add(peer_address)
+
+    def peer_failed(self, peer_address: bytes) -> bool:
+        """True once ``note_peer_failure`` was called for this address. A restarted worker
+        has a new UCX address, so a dead peer's address never comes back to life."""
+        return peer_address in self._failed_peers
 
     def transport_label(self, peer_host_id: str) -> str:
         """Which path a transfer with this peer takes, for logs and outcomes."""
@@ -203,14 +261,20 @@ class TransferNode:
         from ucxx.types import Tag
 
         arr = as_buffer(buffer)
-        return UcxOp(self._ctx.worker.tag_recv(arr, Tag(tag)), (arr, buffer))
+        op = UcxOp(self._ctx.worker.tag_recv(arr, Tag(tag)), (arr, buffer))
+        if self._kick is not None:
+            self._kick()
+        return op
 
     def post_send(self, ep: Any, buffer: Any, tag: int) -> UcxOp:
         """Post a tagged send of ``buffer`` (must be contiguous) on endpoint ``ep``."""
         from ucxx.types import Tag
 
         arr = as_buffer(buffer)
-        return UcxOp(ep.tag_send(arr, Tag(tag)), (arr, buffer))
+        op = UcxOp(ep.tag_send(arr, Tag(tag)), (arr, buffer))
+        if self._kick is not None:
+            self._kick()
+        return op
 
     @staticmethod
     async def wait(op: UcxOp, poll_s: float | None = None) -> None:
@@ -235,6 +299,14 @@ class TransferNode:
         """Ask UCX to cancel ``op`` (no effect once complete). Completion comes later."""
         if self._cancel_fn is not None and not op.completed:
             self._cancel_fn(op.req.ucxx_ptr)
+
+    def linger(self, op: UcxOp) -> None:
+        """Keep ``op`` (and so its buffer) alive until UCX completes it. A tag send cannot
+        be cancelled: one the peer never matched (it was stopped) may still be read later,
+        and must not read freed memory then."""
+        self._lingering = [o for o in self._lingering if not o.completed]
+        if not op.completed:
+            self._lingering.append(op)
 
     async def settle(self, req: UcxOp, grace_s: float | None = None) -> bool:
         """Cancel ``req`` and wait until UCX reports it complete (or ``grace_s`` passes).

@@ -248,6 +248,7 @@ class Peer:
             "reservations": list(self.bm.reservations()),
             "sequences": list(self.bm.sequences()),
             "integrity": integrity,
+            "vetoed": self.node.peer_copy_failures_vetoed,
         }
 
     # ------------------------------------------------------------------ plumbing
@@ -278,6 +279,7 @@ class Peer:
                 "address": self.node.address.hex(),
                 "pid": os.getpid(),
                 "can_cancel": self.node.can_cancel,
+                "peer_guard": self.node.peer_guard_installed,
             }
         )
         loop = asyncio.get_running_loop()
