@@ -411,7 +411,9 @@ class DecodeRole:
             )
             self._finish(victim)
             self._publish()
-            self.wakeup.set()
+            # Its blocks are free now: plan again at once. (Returning nothing would let the
+            # loop clear its wake-up and sleep with runnable requests: a hang.)
+            return self._plan()
         return steps, specs, reqs
 
     def _ensure_room(self, req: DecodeRequest, num_tokens: int) -> bool:

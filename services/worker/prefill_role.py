@@ -156,6 +156,12 @@ class PrefillRole:
             if not self.queue:
                 self.wakeup.clear()
                 continue
+            need = self.bm.blocks_for_tokens(self.queue[0].prompt_len)
+            if self.exports and self.bm.num_free_blocks < need <= self.bm.num_usable_blocks:
+                # Earlier prompts still hold our blocks while their KV is on the wire: wait
+                # for one export to end (it frees its blocks) rather than fail this one.
+                await asyncio.wait(list(self.exports), return_when=asyncio.FIRST_COMPLETED)
+                continue
             job = self.queue.popleft()
             self.current = job
             try:
