@@ -19,6 +19,7 @@ import json
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import msgpack
@@ -68,10 +69,17 @@ def block_checksums(run: np.ndarray, block_nbytes: int) -> list[int]:
     """
     if run.nbytes % block_nbytes:
         raise ValueError(f"run of {run.nbytes} bytes is not whole {block_nbytes}-byte blocks")
-    return [
-        xxhash.xxh3_64_intdigest(run[i : i + block_nbytes].data)
-        for i in range(0, run.nbytes, block_nbytes)
-    ]
+    # Slicing a memoryview costs a third of slicing the ndarray (per block, at 16 KiB
+    # blocks that is most of the non-hashing time).
+    data = run.data.cast("B")
+    digest = xxhash.xxh3_64_intdigest
+    return [digest(data[i : i + block_nbytes]) for i in range(0, run.nbytes, block_nbytes)]
+
+
+def _shallow_fields(obj: Any) -> dict[str, Any]:
+    """The dataclass's fields as a dict, without ``asdict``'s deep copy (which costs ~1 ms
+    per 1000 block ids; msgpack packs tuples as they are)."""
+    return {f.name: getattr(obj, f.name) for f in dataclass_fields(obj)}
 
 
 # ------------------------------------------------------------------------ sealing
@@ -137,7 +145,7 @@ class TransferTicket:
         return -(-self.token_end // self.block_size) - self.token_start // self.block_size
 
     def encode(self, secret: bytes) -> bytes:
-        frame, _ = seal("ticket", asdict(self), secret)
+        frame, _ = seal("ticket", _shallow_fields(self), secret)
         return frame
 
     @classmethod
@@ -175,11 +183,11 @@ class Envelope:
     version: int = PROTOCOL_VERSION
 
     def encode(self, secret: bytes) -> tuple[bytes, bytes]:
-        fields = asdict(self)
-        fields["meta"] = dict(self.meta)
-        if len(msgpack.packb(fields["meta"], use_bin_type=True)) > META_MAX_BYTES:
+        body = _shallow_fields(self)
+        body["meta"] = dict(self.meta)
+        if len(msgpack.packb(body["meta"], use_bin_type=True)) > META_MAX_BYTES:
             raise ValueError(f"meta larger than {META_MAX_BYTES} bytes")
-        return seal("envelope", fields, secret)
+        return seal("envelope", body, secret)
 
     @classmethod
     def decode(cls, data: bytes | bytearray, secret: bytes) -> tuple[Envelope, bytes]:
@@ -210,7 +218,8 @@ def decode_trailer(
     fields, _ = unseal("trailer", data, secret)
     if fields.get("transfer_id") != transfer_id or fields.get("env") != envelope_mac:
         raise TransferRejected("trailer does not belong to this envelope")
-    return [int(x) for x in np.frombuffer(fields["sums"], dtype="<u8")]
+    sums: list[int] = np.frombuffer(fields["sums"], dtype="<u8").tolist()
+    return sums
 
 
 def encode_verdict(transfer_id: int, ok: bool, reason: str, secret: bytes) -> bytes:

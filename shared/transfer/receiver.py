@@ -77,6 +77,7 @@ class _Inbound:
     envelope: Envelope | None = None
     segments_done: int = 0
     sender_aborted: bool = False
+    marks: dict[str, float] = field(default_factory=dict)  # loop.time() of data milestones
 
 
 class KVReceiver:
@@ -252,6 +253,7 @@ class KVReceiver:
         timings = {
             "envelope_wait_ms": (t_env - t0) * 1e3,
             "data_ms": (t_data - t_env) * 1e3,
+            **{f"{k}_ms": (t - t0) * 1e3 for k, t in st.marks.items()},
             "validate_ms": (t_valid - t_data) * 1e3,
             "install_ms": (t_inst - t_valid) * 1e3,
             "total_ms": (loop.time() - t0) * 1e3,
@@ -283,8 +285,9 @@ class KVReceiver:
         """Wait for the segments in order, checksumming each (on the hash thread) while
         the next ones are still being copied; then the trailer. Returns the checksums.
 
-        One waiter for all segments on purpose: every pending ucxx wait is a polling
-        coroutine, and dozens of them starve the event loop's UCX progress (2x slower).
+        One waiter for all segments on purpose: with ucxx's own (polling) waits, dozens
+        of pending ones starved the event loop's UCX progress (2x slower); waits are
+        event-driven now, but one waiter is still the least work per event.
         """
         loop = asyncio.get_running_loop()
         hashes: list[asyncio.Future[list[int]]] = []
@@ -309,8 +312,11 @@ class KVReceiver:
                             self._hash_pool, block_checksums, run, self.arena.block_nbytes
                         )
                     )
+        st.marks["segments_landed"] = loop.time()
+        sums = [c for fut in hashes for c in await fut]
+        st.marks["hashed"] = loop.time()
         await self.node.wait(trailer_req)
-        return [c for fut in hashes for c in await fut]
+        return sums
 
     async def _race(
         self, st: _Inbound, work: Any, abort_task: asyncio.Future[Any], abort_buf: bytearray

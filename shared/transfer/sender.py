@@ -38,7 +38,7 @@ from shared.transfer.ucx_node import TransferNode
 log = logging.getLogger(__name__)
 
 _INLINE_HASH_BYTES = 1 << 20
-_SEND_POLL_S = 0.0005  # below this, a thread hop costs more than hashing inline
+_SEND_POLL_S = 0.002  # safety re-check of an event-driven wait (TransferNode.wait)
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,7 @@ class KVSender:
 
         async def pump(ep: Any) -> None:
             posted.append(self.node.post_send(ep, bytearray(env_frame), proto.tag(tid, 0)))
+            timings["envelope_posted_ms"] = (loop.time() - t0) * 1e3
             sums: list[int] = list(checksums) if checksums is not None else []
             hashes: list[asyncio.Future[list[int]]] = []
             for k, (first, count) in enumerate(segments):
@@ -172,9 +173,10 @@ class KVSender:
                 self.node.post_send(ep, bytearray(trailer), proto.tag(tid, proto.TRAILER_TAG))
             )
             state["last_posted"] = True
+            timings["trailer_posted_ms"] = (loop.time() - t0) * 1e3
             for req in posted:
-                # Polled, not hot: the receiver drives the copy (CMA get); a hot poller
-                # here would take a core from it and from the checksum threads.
+                # Event-driven (see TransferNode.wait): the receiver drives the copy (CMA
+                # get); this side only learns of completions and must not take a core.
                 await self.node.wait(req, poll_s=_SEND_POLL_S)
             timings["data_ms"] = (loop.time() - t0) * 1e3
 

@@ -9,6 +9,7 @@ Choices (measured on a 2-core host, ucxx 0.52 / UCX 1.21, see docs/transfer.md):
   ON (network transports). With error handling off UCX never reports a dead peer, so peer
   death is detected by our own deadlines. ``UCX_TLS`` is left to UCX (fastest that works)
   unless configured; it is process-wide, so it is set before UCX initialises.
+- Waits are event-driven (ucx_wait): woken after the worker progress that completes them.
 - Receives are posted on the worker (matched by tag alone). ucxx's Python layer does not
   expose ``Request.cancel``; we call the exported C++ ``ucxx::Request::cancel()``
   (``ucp_request_cancel``) through ctypes. Where that symbol is missing, cancelled receives
@@ -25,6 +26,7 @@ import ctypes
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +36,7 @@ import numpy as np
 
 from shared.transfer.errors import TransportError
 from shared.transfer.ucx_guard import PeerFailureGuard, apply_env_defaults
+from shared.transfer.ucx_wait import SAFETY_POLL_S, CompletionWaiters
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +112,9 @@ class UcxOp:
         return bool(self.req.completed)
 
 
-def _rearm_after_events(loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
+def _rearm_after_events(
+    loop: asyncio.AbstractEventLoop, after_progress: Callable[[], None]
+) -> Callable[[], None] | None:
     """Make ucxx's blocking progress mode re-arm the UCX worker after each epoll event.
 
     ucxx 0.52's ``BlockingMode`` progresses the worker when its epoll fd is readable but
@@ -117,9 +122,10 @@ def _rearm_after_events(loop: asyncio.AbstractEventLoop) -> Callable[[], None] |
     runs the reader on every turn: ~40% of a core per idle worker, and the engine thread
     waits up to a GIL switch interval (5 ms) after each step (measured: +5 ms per decode
     iteration and per prefill). Re-arming after the event (as ucx-py does) lets the loop
-    sleep in epoll again. Returns the function that progresses the worker and re-arms it
-    (call it after posting an operation: local work raises no epoll event); None (nothing
-    changed) for other progress modes.
+    sleep in epoll again. ``after_progress`` runs after every worker progress made here
+    (it wakes the waiters of requests that completed). Returns the function that
+    progresses the worker and re-arms it (call it after posting an operation: local work
+    raises no epoll event); None (nothing changed) for other progress modes.
     """
     from ucxx._lib_async import application_context as app
     from ucxx._lib_async.continuous_ucx_progress import BlockingMode
@@ -128,10 +134,23 @@ def _rearm_after_events(loop: asyncio.AbstractEventLoop) -> Callable[[], None] |
     if not isinstance(task, BlockingMode):
         return None
 
+    async def arm_worker() -> None:
+        # ucxx's BlockingMode._arm_worker plus ``after_progress``: progress until UCX
+        # agrees to arm, letting every ready task run in between (sock_recv on the closed
+        # socket pair returns once the loop has polled for I/O).
+        while True:
+            task.last_progress_time = time.monotonic()
+            task.worker.progress()
+            after_progress()
+            await loop.sock_recv(task.rsock, 1)
+            if task.worker.arm():
+                return
+
     def on_event() -> None:
         task.worker.progress()
+        after_progress()
         if task.arm_task is None or task.arm_task.done():
-            task.arm_task = loop.create_task(task._arm_worker())
+            task.arm_task = loop.create_task(arm_worker())
 
     fd = task.worker.epoll_file_descriptor
     loop.remove_reader(fd)
@@ -152,6 +171,7 @@ class TransferNode:
         self._guard = PeerFailureGuard()
         self._failed_peers: set[bytes] = set()
         self._lingering: list[UcxOp] = []  # unsettled ops whose buffers must stay alive
+        self._waiters = CompletionWaiters()  # event-driven waits (blocking mode)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -168,7 +188,7 @@ class TransferNode:
             raise TransportError(f"one TransferNode per process: {exc}") from None
         # ucxx keeps its context private; the worker is what we post requests on.
         self._ctx = ucxx.core._get_ctx()
-        self._kick = _rearm_after_events(asyncio.get_running_loop())
+        self._kick = _rearm_after_events(asyncio.get_running_loop(), self._waiters.wake_completed)
         self._cancel_fn = _find_cancel()  # after ucxx loaded libucp, which libucxx needs
         if not self._guard.install():
             log.warning("UCS log hook not installed: a peer dying mid-copy may abort us")
@@ -276,20 +296,24 @@ class TransferNode:
             self._kick()
         return op
 
-    @staticmethod
-    async def wait(op: UcxOp, poll_s: float | None = None) -> None:
+    async def wait(self, op: UcxOp, poll_s: float | None = None) -> None:
         """Await completion; raises TransportError on any UCX error (incl. cancellation).
 
-        ``poll_s=None``: ucxx's own wait, which polls on every event-loop turn (lowest
-        latency). Use it for ONE hot wait at a time: a second such poller halves copy
-        bandwidth (measured 17 -> 7 GB/s) by starving UCX progress. Background waits
-        (abort, verdict) pass ``poll_s`` and check every ``poll_s`` seconds instead.
+        Blocking progress mode: event-driven (see ucx_wait), costing no CPU while nothing
+        happens; ``poll_s=None`` is a hot wait (spins briefly first, then re-checks every
+        2 ms as a safety net), else the safety re-check runs every ``poll_s``. Other modes:
+        ``poll_s=None`` is ucxx's own wait (polls every loop turn), else a check every
+        ``poll_s`` seconds.
         """
         try:
-            if poll_s is not None:
+            if self._kick is not None:
+                await self._waiters.until_complete(
+                    op, hot=poll_s is None, poll_s=poll_s or SAFETY_POLL_S
+                )
+            elif poll_s is not None:
                 while not op.completed:
                     await asyncio.sleep(poll_s)
-            await op.req.wait()
+            await op.req.wait()  # complete by now: raises the request's error, if any
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -322,6 +346,7 @@ class TransferNode:
         delay_s = 0.0
         while not req.completed and loop.time() < give_up:
             self._ctx.worker.progress()
+            self._waiters.wake_completed()
             await asyncio.sleep(delay_s)
             delay_s = min(0.01, delay_s + 0.0005)
         return bool(req.completed)
