@@ -238,7 +238,12 @@ class PrefillRole:
         if suffix_len:
             self.split_requests_total += 1
             self.handed_off_tokens_total += suffix_len
-        ticket = TransferTicket.decode(admit.ticket, self._secret)
+        try:
+            ticket = TransferTicket.decode(admit.ticket, self._secret)
+        except BaseException:  # a ticket we cannot open (wrong cluster secret): free both sides
+            self.bm.free_sequence(seq_id)
+            await self._cancel_remote(job)
+            raise
         meta = {"prefix_len": prefix_len, "first_token": first}
         task = asyncio.ensure_future(self._export(job, ticket, seq_id, meta))
         self.exports.add(task)
