@@ -23,10 +23,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from services.bench.loadgen import PlannedRequest
-from services.bench.replay import scaled_policy, scaled_profile
+from services.bench.replay import plan_of, scaled_policy, scaled_profile
 from services.bench.replay_run import RunSpec, run_once
-from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, build_workload, window_of
+from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, workload_from_args
 from services.sim.config import SimConfig
 from services.sim.run import run_config
 from shared.engine.profiles import load_profile
@@ -48,14 +47,7 @@ def parse_points(text: str) -> list[tuple[str, float]]:
 def sim_point(
     cfg: str, rps: float, args: argparse.Namespace, policy: PolicyConfig
 ) -> dict[str, Any]:
-    trace = build_workload(
-        args.workload,
-        rps=rps,
-        requests=args.requests,
-        trace_offset_s=args.trace_offset,
-        arrival=args.arrival,
-        seed=args.seed,
-    )
+    trace = workload_from_args(args, rps)
     base = SimConfig(
         workers=args.workers, policy=policy, max_num_seqs=args.max_num_seqs, migrate_on_drain=True
     )
@@ -68,18 +60,7 @@ def sim_point(
 
 
 def emulated_point(cfg: str, rps: float, args: argparse.Namespace, base: RunSpec) -> dict[str, Any]:
-    trace = build_workload(
-        args.workload,
-        rps=rps,
-        requests=args.requests,
-        trace_offset_s=args.trace_offset,
-        arrival=args.arrival,
-        seed=args.seed,
-        time_scale=args.time_scale,
-    )
-    plan = [
-        PlannedRequest(t.arrival_s, t.prompt_tokens, t.output_tokens, window_of(t)) for t in trace
-    ]
+    plan = plan_of(args, rps)
     row = run_once(replace(base, config=cfg, rps=rps, tag=f"xcheck-{cfg}"), plan)
     keep = (*KEYS, "requests", "errors", "switches", "stolen_tokens", "per_window")
     out = {k: row[k] for k in keep}

@@ -34,7 +34,7 @@ from typing import Any
 
 from services.bench.loadgen import PlannedRequest
 from services.bench.replay_run import RunSpec, run_once
-from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, build_workload, window_of
+from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, window_of, workload_from_args
 from shared.engine.profiles import load_profile
 from shared.policy.config import PolicyConfig
 from shared.policy.predictors import LatencyProfile
@@ -117,15 +117,7 @@ def configs_of(text: str) -> list[str]:
 
 
 def plan_of(args: argparse.Namespace, rps: float) -> list[PlannedRequest]:
-    trace = build_workload(
-        args.workload,
-        rps=rps,
-        requests=args.requests,
-        trace_offset_s=args.trace_offset,
-        arrival=args.arrival,
-        seed=args.seed,
-        time_scale=args.time_scale,
-    )
+    trace = workload_from_args(args, rps, time_scale=args.time_scale)
     return [
         PlannedRequest(t.arrival_s, t.prompt_tokens, t.output_tokens, window_of(t)) for t in trace
     ]

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, build_workload, window_of
+from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, window_of, workload_from_args
 from services.sim.config import CONFIGS, ORACLE, SimConfig
 from services.sim.run import run_config
 from shared.engine.profiles import DEFAULT_PROFILE, load_profile
@@ -105,15 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
     total_wall = 0.0
     for rps in rates:
-        trace = build_workload(
-            args.workload,
-            rps=rps,
-            requests=args.requests,
-            trace_offset_s=args.trace_offset,
-            arrival=args.arrival,
-            seed=args.seed,
-            time_scale=args.time_scale,
-            max_prompt_tokens=args.max_prompt_tokens,
+        trace = workload_from_args(
+            args, rps, time_scale=args.time_scale, max_prompt_tokens=args.max_prompt_tokens
         )
         starts: dict[str, float] = {}  # first arrival of each stage (plots mark them)
         if args.workload == STAGED:

@@ -38,6 +38,7 @@ import random
 from dataclasses import dataclass, replace
 from datetime import date
 from importlib import resources
+from typing import Any
 
 from shared.errors import InvalidRequestError
 
@@ -248,3 +249,20 @@ def mean_rate_rps(reqs: list[TraceRequest]) -> float:
         return 0.0
     span = reqs[-1].arrival_s - reqs[0].arrival_s
     return (len(reqs) - 1) / span if span > 0 else float("inf")
+
+
+def workload_from_args(
+    args: Any, rps: float, *, time_scale: float = 1.0, max_prompt_tokens: int | None = None
+) -> list[TraceRequest]:
+    """``build_workload`` from the flags ``bench sim``, ``bench replay`` and the cross-check
+    share (``--workload --requests --trace-offset --arrival --seed``). Raises WorkloadError."""
+    return build_workload(
+        args.workload,
+        rps=rps,
+        requests=args.requests,
+        trace_offset_s=args.trace_offset,
+        arrival=args.arrival,
+        seed=args.seed,
+        time_scale=time_scale,
+        max_prompt_tokens=max_prompt_tokens,
+    )

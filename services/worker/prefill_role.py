@@ -39,7 +39,14 @@ from shared.bus.errors import BusError, RemoteError
 from shared.engine.batch import StepInput
 from shared.engine.engine import SampleSpec
 from shared.errors import FluidPDError
-from shared.messages import AdmitReply, AdmitRequest, PrefillRequest, Subjects, TokenItem
+from shared.messages import (
+    AdmitReply,
+    AdmitRequest,
+    CancelRequest,
+    PrefillRequest,
+    Subjects,
+    TokenItem,
+)
 from shared.transfer.envelope import TransferTicket
 from shared.transfer.errors import TransferError
 from shared.transfer.sender import KVSender
@@ -203,8 +210,7 @@ class PrefillRole:
                 raise
             first = await self._compute(job, seq_id, prefix_len, sample=suffix_len == 0)
             if job.cancelled:
-                self.bm.free_sequence(seq_id)
-                await self._cancel_remote(job)
+                await self._abandon(job, seq_id)
                 return
             self._stream_first(job, first)  # None (D samples it) unless it refused the steal
         else:
@@ -221,8 +227,7 @@ class PrefillRole:
                 raise
             if job.cancelled:
                 admitting.cancel()
-                self.bm.free_sequence(seq_id)
-                await self._cancel_remote(job)
+                await self._abandon(job, seq_id)
                 return
             self._stream_first(job, first)
             try:
@@ -241,8 +246,7 @@ class PrefillRole:
         try:
             ticket = TransferTicket.decode(admit.ticket, self._secret)
         except BaseException:  # a ticket we cannot open (wrong cluster secret): free both sides
-            self.bm.free_sequence(seq_id)
-            await self._cancel_remote(job)
+            await self._abandon(job, seq_id)
             raise
         meta = {"prefix_len": prefix_len, "first_token": first}
         task = asyncio.ensure_future(self._export(job, ticket, seq_id, meta))
@@ -388,9 +392,12 @@ class PrefillRole:
             release()
             self.jobs.pop(job.request_id, None)
 
-    async def _cancel_remote(self, job: PrefillJob) -> None:
-        from shared.messages import CancelRequest
+    async def _abandon(self, job: PrefillJob, seq_id: str) -> None:
+        """Free the prompt's local blocks and tell the decode side to drop its part."""
+        self.bm.free_sequence(seq_id)
+        await self._cancel_remote(job)
 
+    async def _cancel_remote(self, job: PrefillJob) -> None:
         with contextlib.suppress(BusError):  # best effort: D also has its own deadline
             await self.bus.publish(
                 self.subjects.worker_cancel(job.msg.decode_worker_id),
