@@ -223,12 +223,20 @@ def test_wrong_fingerprint_is_rejected(peers: list[PeerProc]) -> None:
     dst.clean_state(free_dst)
 
 
-def test_one_flipped_byte_is_rejected(peers: list[PeerProc]) -> None:
+@pytest.mark.parametrize(
+    ("num_tokens", "bad_block"),
+    # 90 tokens: hashed inline; 2000 tokens (2 MiB, many segments into w1's scattered
+    # blocks): hashed by the receiver's hash thread as segments land.
+    [(90, 2), (2000, 100)],
+)
+def test_one_flipped_byte_is_rejected(
+    peers: list[PeerProc], num_tokens: int, bad_block: int
+) -> None:
     src, dst = peers[0], peers[1]
     free_src, free_dst = src.call("state")["free_blocks"], dst.call("state")["free_blocks"]
-    _, sent, recv = transfer(src, dst, "flip", 90, corrupt_block=2)
+    _, sent, recv = transfer(src, dst, f"flip{num_tokens}", num_tokens, corrupt_block=bad_block)
     assert recv["error"] == "kv_transfer_rejected"
-    assert recv["reason"] == "checksum mismatch at logical block 2"
+    assert recv["reason"] == f"checksum mismatch at logical block {bad_block}"
     assert sent["error"] == "kv_transfer_rejected"
     src.clean_state(free_src)
     dst.clean_state(free_dst)
