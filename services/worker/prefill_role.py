@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,6 +87,7 @@ class PrefillRole:
         executor: Executor,
         publish: Callable[[], Any],
         *,
+        flush_now: Callable[[], Awaitable[None]] | None = None,
         secret: bytes,
         admit_timeout_s: float,
         transfer_timeout_s: float,
@@ -101,6 +102,7 @@ class PrefillRole:
         self.streamer = streamer
         self.executor = executor
         self._publish = publish
+        self._flush_now = flush_now
         self._secret = secret
         self.admit_timeout_s = admit_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
@@ -212,7 +214,7 @@ class PrefillRole:
             if job.cancelled:
                 await self._abandon(job, seq_id)
                 return
-            self._stream_first(job, first)  # None (D samples it) unless it refused the steal
+            await self._stream_first(job, first)  # None (D samples it) unless it refused the steal
         else:
             # Unsplit: the decode worker reserves while we compute, so the admission round
             # trip is off the TTFT path. The export still starts only after the reservation.
@@ -229,7 +231,7 @@ class PrefillRole:
                 admitting.cancel()
                 await self._abandon(job, seq_id)
                 return
-            self._stream_first(job, first)
+            await self._stream_first(job, first)
             try:
                 admit = await admitting
             except BaseException:
@@ -288,8 +290,10 @@ class PrefillRole:
         self.prefills_total += 1
         return first
 
-    def _stream_first(self, job: PrefillJob, first: int | None) -> None:
-        """Send the first token to the router now (TTFT); nothing when D samples it."""
+    async def _stream_first(self, job: PrefillJob, first: int | None) -> None:
+        """Send the first token to the router now (TTFT); nothing when D samples it.
+        Returns once it is on its way: the export that follows takes this loop for a
+        while (measured: the token waited behind it, +0.3 ms TTFT at p50)."""
         if first is None:
             return
         self.streamer.add(
@@ -301,7 +305,10 @@ class PrefillRole:
                 timestamps=dict(job.timestamps),
             ),
         )
-        self._publish()
+        if self._flush_now is not None:
+            await self._flush_now()
+        else:
+            self._publish()
 
     async def _timed_admit(self, job: PrefillJob, suffix_len: int) -> AdmitReply | None:
         started = time.perf_counter()

@@ -68,6 +68,7 @@ class WorkerRuntime:
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[Any]] = []
         self._flush_event = asyncio.Event()
+        self._flush_waiters: list[asyncio.Future[None]] = []
         self._stopped = False
         self.engine: Any = None
 
@@ -140,6 +141,7 @@ class WorkerRuntime:
             self.streamer,
             self.executor,
             self._request_flush,
+            flush_now=self._flush_now,
             secret=secret,
             admit_timeout_s=cfg.admit_timeout_s,
             transfer_timeout_s=cfg.transfer_timeout_s,
@@ -287,13 +289,26 @@ class WorkerRuntime:
     def _request_flush(self) -> None:
         self._flush_event.set()
 
+    async def _flush_now(self) -> None:
+        """Return once everything pending has been handed to the bus client (whose own
+        flusher, woken first, writes it before the caller runs again). A first token
+        waits for this before the KV export's CPU work starts on this loop."""
+        fut = asyncio.get_running_loop().create_future()
+        self._flush_waiters.append(fut)
+        self._flush_event.set()
+        await fut
+
     async def _flusher(self) -> None:
         """Publishes pending token batches; one task so batches leave in order."""
         while True:
             await self._flush_event.wait()
             self._flush_event.clear()
+            waiters, self._flush_waiters = self._flush_waiters, []
             for subject, batch in self.streamer.take():
                 try:
                     await self.bus.publish(subject, batch)  # type: ignore[arg-type]
                 except Exception:
                     log.exception("token_publish_failed", subject=subject)
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
