@@ -197,18 +197,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--omp-wait-policy",
-        default="passive",
+        default="inherit",
         choices=("passive", "active", "inherit"),
         help="OpenMP wait policy for this run (ours and HF alike); the process re-executes "
-        "itself to apply it, since libgomp reads it only at load. inherit: leave the env as is",
+        "itself to apply it, since libgomp reads it only at load. inherit (default): the "
+        "environment as is, which is what fluidpd workers run with (libgomp: spin briefly, "
+        "then sleep). passive is steadier on a loaded machine and slower on a quiet one "
+        "(2 threads, batch 1: ~29 vs ~16 ms per step here)",
     )
     args = p.parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     policy = args.omp_wait_policy.upper()
     if args.omp_wait_policy != "inherit" and os.environ.get("OMP_WAIT_POLICY") != policy:
         # Idle OpenMP threads spin by default; on a shared 2-core machine a spinning or
-        # descheduled second thread stalls every parallel region (measured: decode steps
-        # 5-20x slower at 2 threads under load, none of it with PASSIVE).
+        # descheduled second thread stalls every parallel region under load (measured:
+        # decode steps 5-20x slower at 2 threads, none of it with PASSIVE), while PASSIVE
+        # pays a wake-up per parallel region on a quiet machine.
         env = {**os.environ, "OMP_WAIT_POLICY": policy}
         os.execve(sys.executable, [sys.executable, "-m", "services.bench.engine", *argv], env)
 

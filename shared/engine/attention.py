@@ -98,8 +98,13 @@ class TorchPagedAttention:
         b, nb = tables.shape
         _, _, bs, hkv, d = kv_layer.shape
         n = batch.decode_max_context_len
-        keys = kv_layer[:, 0][tables].view(b, nb * bs, hkv, d)[:, :n].transpose(1, 2)
-        values = kv_layer[:, 1][tables].view(b, nb * bs, hkv, d)[:, :n].transpose(1, 2)
+        # index_select, not advanced indexing: the same copy at a third of the cost
+        # (~8 vs ~20 us per layer at batch 1; this runs twice per layer per step).
+        flat = tables.reshape(-1)
+        keys = torch.index_select(kv_layer[:, 0], 0, flat)
+        values = torch.index_select(kv_layer[:, 1], 0, flat)
+        keys = keys.view(b, nb * bs, hkv, d)[:, :n].transpose(1, 2)
+        values = values.view(b, nb * bs, hkv, d)[:, :n].transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2),
             keys,

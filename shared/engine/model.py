@@ -68,7 +68,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm: statistics in fp32, scale in the model dtype (no casts when fp32)."""
     if x.dtype == torch.float32:
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps)))
+        # One fused op instead of seven (two rms norms per layer per decode step).
+        return F.rms_norm(x, weight.shape, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))
     return weight * x32.to(x.dtype)
