@@ -192,7 +192,10 @@ def _overhead(one: list[dict[str, Any]]) -> dict[str, float]:
     """Medians (us) of one-block transfers: the fixed cost, nearly no copy time."""
     sender = {f"sender_{k}": [r["sender_ms"][k] for r in one] for k in one[0]["sender_ms"]}
     receiver = {k: [r["timings_ms"][k] for r in one] for k in one[0]["timings_ms"]}
-    out = {"e2e_us_p50": statistics.median(r["e2e_s"] for r in one) * 1e6}
+    out = {
+        "e2e_us_p50": statistics.median(r["e2e_s"] for r in one) * 1e6,
+        "receiver_cpu_us_p50": round(statistics.median(r["recv_cpu_ms"] for r in one) * 1e3, 1),
+    }
     for k, values in {**receiver, **sender}.items():
         out[k.replace("_ms", "_us_p50")] = round(statistics.median(values) * 1e3, 1)
     return out

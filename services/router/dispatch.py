@@ -50,6 +50,7 @@ class InFlight:
     prompt_len: int
     max_tokens: int
     cancelled: bool = field(default=False)
+    sent_s: float = 0.0  # wall clock when the request was handed to the bus
 
 
 class Dispatcher:
@@ -203,6 +204,7 @@ class Dispatcher:
             )
             # Registered before sending: the first token may beat the Ack.
             self.in_flight[request_id] = entry
+            entry.sent_s = time.time()
             try:
                 await self.bus.request(
                     self.subjects.worker_prefill(target),

@@ -158,6 +158,7 @@ class GenerationHandler:
             "prefill_worker": entry.prefill_id,
             "decode_worker": entry.decode_id,
             "arrival_s": entry.arrival_s,
+            "sent_s": entry.sent_s,
             "token_receive_s": text.receive_times_s,
             "worker_timestamps": entry.stream.timestamps,
         }

@@ -54,6 +54,11 @@ from shared.transfer.sender import KVSender
 log = structlog.get_logger(__name__)
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 @dataclass(eq=False)
 class PrefillJob:
     msg: PrefillRequest
@@ -220,9 +225,10 @@ class PrefillRole:
             # trip is off the TTFT path. The export still starts only after the reservation.
             prefix_len = job.prompt_len
             seq_id = self._allocate(job, prefix_len)
-            admitting = asyncio.ensure_future(self._timed_admit(job, 0))
+            started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            admitting = asyncio.ensure_future(self._admit_after(started, job))
             try:
-                first = await self._compute(job, seq_id, prefix_len, sample=True)
+                first = await self._compute(job, seq_id, prefix_len, sample=True, started=started)
             except BaseException:
                 admitting.cancel()
                 await self._cancel_remote(job)  # frees a reservation the admit may have made
@@ -265,21 +271,36 @@ class PrefillRole:
         self.bm.allocate(seq_id, num_tokens)
         return seq_id
 
-    async def _compute(self, job: PrefillJob, seq_id: str, prefix_len: int, sample: bool) -> Any:
+    async def _compute(
+        self,
+        job: PrefillJob,
+        seq_id: str,
+        prefix_len: int,
+        sample: bool,
+        started: asyncio.Future[None] | None = None,
+    ) -> Any:
         """Run the prefix in the engine thread; the first token when ``sample``. Frees
-        ``seq_id`` if the step fails."""
+        ``seq_id`` if the step fails. ``started`` is resolved (on this loop) as soon as
+        the engine thread has taken the step."""
         msg = job.msg
         step = StepInput(seq_id, msg.prompt_token_ids[:prefix_len], 0, self.bm.block_table(seq_id))
         spec = SampleSpec(engine_params(msg.sampling), 0, job.seed) if sample else None
         job.timestamps["prefill_start_s"] = time.time()
-        started = time.perf_counter()
+        t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
+
+        def run_step() -> list[int | None]:
+            if started is not None:
+                loop.call_soon_threadsafe(_resolve, started)
+            result: list[int | None] = self.engine.step([step], [spec])
+            return result
+
         try:
-            (first,) = await loop.run_in_executor(self.executor, self.engine.step, [step], [spec])
+            (first,) = await loop.run_in_executor(self.executor, run_step)
         except BaseException:
             self.bm.free_sequence(seq_id)
             raise
-        self.last_step_s = time.perf_counter() - started
+        self.last_step_s = time.perf_counter() - t0
         job.timestamps["prefill_end_s"] = time.time()
         self.last_prefill_tokens = prefix_len
         self.observe_step(prefix_len, self.last_step_s)
@@ -309,6 +330,15 @@ class PrefillRole:
             await self._flush_now()
         else:
             self._publish()
+
+    async def _admit_after(
+        self, started: asyncio.Future[None], job: PrefillJob
+    ) -> AdmitReply | None:
+        """The unsplit admit, once the engine thread has the prefill: started earlier,
+        its Python work held the GIL the engine thread needed to start (measured: the
+        prefill began 0.2 ms later at p50, 1 ms at p99)."""
+        await started
+        return await self._timed_admit(job, 0)
 
     async def _timed_admit(self, job: PrefillJob, suffix_len: int) -> AdmitReply | None:
         started = time.perf_counter()
