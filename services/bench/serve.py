@@ -5,7 +5,9 @@ known, fixed step times (prefill = c0 + c1·L with c0 = 5 ms, c1 = 1 µs/token; 
 iteration = a0 = 5 ms whatever the batch and context). N sequential streaming requests go,
 request by request in turn (so all three see the same machine load), through
 
-* the router (HTTP, ``/v1/completions``, ``fluidpd_timestamps``);
+* the router (HTTP, ``/v1/completions``, ``fluidpd_timestamps``), with a minimal HTTP/1.1
+  client (services/bench/sse_client.py: aiohttp's client cost ~0.25 ms of its own per
+  request, which is neither router nor bus);
 * the bus alone (``BenchBusClient``, a router stand-in, no HTTP), which splits the overhead
   into bus + workers vs router;
 * the engine directly: the same ``EmulatedEngine`` in this process, its steps run in a
@@ -28,8 +30,9 @@ the first token shows text by itself.
 
 Also reported: the engine's own sleep overshoot (``EmulatedEngine.step`` called in process
 with no thread hop, vs its prediction), the worker-measured prefill span vs its prediction and the TTFT breakdown
-from the workers' wall-clock stamps (client send → prefill start, prefill end → router
-receive, router → client per token; one host, one clock), and the sample counts behind
+from the router's and the workers' wall-clock stamps (client send → router submit → bus →
+worker queue → prefill start, prefill end → router receive, router → client per token; one
+host, one clock), and the sample counts behind
 every p99 (a p99 from fewer than ~100 samples is close to the maximum). Last stdout line:
 one JSON object with every figure, the goals and whether they were met, and the machine's
 load average (other processes inflate every figure on a small machine).
@@ -50,9 +53,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-
 from services.bench.bus_client import BenchBusClient, StreamRecord
+from services.bench.sse_client import SSEClient
 from services.common.cluster import Cluster, ClusterSpec, pick_port
 from services.common.logging import configure_logging
 from shared.policy.predictors import LatencyProfile
@@ -180,9 +182,7 @@ def visible_times(
 
 
 # ------------------------------------------------------------------------- router path
-async def router_request(
-    session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int
-) -> dict[str, Any]:
+async def router_request(client: SSEClient, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -193,27 +193,19 @@ async def router_request(
         "stream": True,
         "fluidpd_timestamps": True,
     }
+    resp = await client.post_stream("/v1/completions", body)
     chunks: list[tuple[float, str]] = []
-    walls: list[float] = []
     ext: dict[str, Any] = {}
-    sent_wall = time.time()
-    sent = time.perf_counter()
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"router answered {resp.status}: {(await resp.text())[:200]}")
-        async for raw in resp.content:
-            now, now_wall = time.perf_counter(), time.time()
-            line = raw.strip()
-            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if "error" in chunk:
-                raise RuntimeError(f"stream error: {chunk['error']}")
-            text = chunk["choices"][0]["text"] if chunk.get("choices") else ""
-            chunks.append((now - sent, text))
-            walls.append(now_wall)
-            ext = chunk.get("fluidpd", ext)
-    return {"chunks": chunks, "walls": walls, "ext": ext, "sent_wall": sent_wall}
+    for t, chunk in resp.events:
+        text = chunk["choices"][0]["text"] if chunk.get("choices") else ""
+        chunks.append((t, text))
+        ext = chunk.get("fluidpd", ext)
+    return {
+        "chunks": chunks,
+        "walls": resp.event_walls_s,
+        "ext": ext,
+        "sent_wall": resp.sent_wall_s,
+    }
 
 
 Samples = dict[str, list[float]]
@@ -238,6 +230,11 @@ def router_samples(
         # One host, one wall clock: client -> prefill start; prefill end -> router.
         out["before_prefill_ms"].append((stamps["prefill_start_s"] - got["sent_wall"]) * 1e3)
         out["prefill_end_to_router_ms"].append((recv[0] - stamps["prefill_end_s"]) * 1e3)
+        ext = got["ext"]
+        if ext.get("sent_s") and "queued_s" in stamps:  # the router's own part of it
+            out["client_to_router_ms"].append((ext["arrival_s"] - got["sent_wall"]) * 1e3)
+            out["router_internal_ms"].append((ext["sent_s"] - ext["arrival_s"]) * 1e3)
+            out["router_to_worker_queue_ms"].append((stamps["queued_s"] - ext["sent_s"]) * 1e3)
         span_s = stamps["prefill_end_s"] - stamps["prefill_start_s"]
         out["worker_prefill_overshoot_ms"].append(span_s * 1e3 - prefill_ms)
     if vis[1] is not None and vis[0] is not None and own[0] and own[1]:
@@ -355,14 +352,14 @@ async def run_all_paths(
     bus: Samples = defaultdict(list)
     direct: Samples = defaultdict(list)
     bad = 0
-    connector = aiohttp.TCPConnector(limit=1)
+    host, _, port = url.removeprefix("http://").partition(":")
     async with (
-        aiohttp.ClientSession(connector=connector) as session,
+        SSEClient(host, int(port.split("/")[0])) as http,
         BenchBusClient(nats_url) as client,
     ):
         await client.wait_workers(["p0", "d0"])
         for i, (prompt, ref) in enumerate(zip(prompts, refs, strict=True)):
-            got = await router_request(session, url, prompt, a.output_tokens)
+            got = await router_request(http, prompt, a.output_tokens)
             rid = await client.submit("p0", "d0", prompt, a.output_tokens, seed=SEED)
             st = await client.result(rid, timeout_s=60.0)
             direct_tokens, direct_times = await direct_engine.run(prompt, a.output_tokens)
@@ -470,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     for key in (
         "first_decode_gap_overhead_ms",
         "before_prefill_ms",
+        "client_to_router_ms",
+        "router_internal_ms",
+        "router_to_worker_queue_ms",
         "prefill_end_to_router_ms",
         "worker_prefill_overshoot_ms",
         "router_to_client_ms",

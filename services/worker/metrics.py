@@ -6,6 +6,7 @@ the work happens (TTFT stages, step times). Served on ``--metrics-port`` at ``/m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -165,10 +166,17 @@ class WorkerMetrics:
             self.coefficient.labels(wid, name).set(getattr(prof, name))
 
 
-async def start_metrics_server(registry: CollectorRegistry, host: str, port: int) -> web.AppRunner:
-    """Serve ``/metrics`` for ``registry``. Returns the runner (``await runner.cleanup()``)."""
+async def start_metrics_server(
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    before_scrape: Callable[[], None] = lambda: None,
+) -> web.AppRunner:
+    """Serve ``/metrics`` for ``registry``; ``before_scrape`` refreshes gauges first.
+    Returns the runner (``await runner.cleanup()``)."""
 
     async def metrics(_: web.Request) -> web.Response:
+        before_scrape()
         return web.Response(
             body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )

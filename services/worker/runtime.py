@@ -154,7 +154,10 @@ class WorkerRuntime:
         self.decode.observe_step = self.telemetry.observe_decode
         if cfg.metrics_port:
             runner = await start_metrics_server(
-                self.metrics_registry, cfg.metrics_host, cfg.metrics_port
+                self.metrics_registry,
+                cfg.metrics_host,
+                cfg.metrics_port,
+                before_scrape=lambda: self.metrics.refresh(self),
             )
             self._stack.push_async_callback(runner.cleanup)
         wid = cfg.worker_id

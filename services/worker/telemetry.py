@@ -285,8 +285,7 @@ class Telemetry:
         interval = rt.cfg.telemetry_interval_s
         while True:
             try:
-                msg = self.snapshot()
-                rt.metrics.refresh(rt)
+                msg = self.snapshot()  # (Prometheus gauges are refreshed on scrape)
                 await rt.bus.publish(rt.subjects.telemetry(rt.role, rt.cfg.worker_id), msg)
             except Exception:
                 log.exception("telemetry_publish_failed", worker_id=rt.cfg.worker_id)
