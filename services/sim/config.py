@@ -43,7 +43,7 @@ class SimConfig:
     max_num_seqs: int = 64  # decode admission limit and N_TPOT cap (WorkerConfig)
     prefill_chunk_tokens: int = 512  # suffix tokens one decode iteration runs (DecodeRole)
     telemetry_interval_s: float = 0.02  # WorkerConfig.telemetry_interval_s
-    # Admission (PrefillRole._admit / DecodeRole.admit): retry periods and the give-up.
+    # Admission (services/worker/admission.py / DecodeRole.admit): retry periods and the give-up.
     admit_timeout_s: float = 5.0
     retry_batch_full_s: float = 0.02
     retry_no_blocks_s: float = 0.05

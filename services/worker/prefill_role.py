@@ -22,26 +22,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
+from services.worker.admission import DecodeAdmission
 from services.worker.params import engine_params
+from services.worker.prefill_job import PrefillJob
 from services.worker.token_stream import TokenStreamer
 from shared.bus import Bus
-from shared.bus.errors import BusError, RemoteError
+from shared.bus.errors import BusError
 from shared.engine.batch import StepInput
 from shared.engine.engine import SampleSpec
 from shared.errors import FluidPDError
 from shared.messages import (
-    AdmitReply,
-    AdmitRequest,
     CancelRequest,
     PrefillRequest,
     Subjects,
@@ -57,25 +55,6 @@ log = structlog.get_logger(__name__)
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-@dataclass(eq=False)
-class PrefillJob:
-    msg: PrefillRequest
-    received_s: float  # our monotonic clock
-    deadline_s: float  # our monotonic clock
-    seed: int
-    arrival_s: float = 0.0  # our monotonic clock: when the router received the request
-    cancelled: bool = False
-    timestamps: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def request_id(self) -> str:
-        return self.msg.request_id
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.msg.prompt_token_ids)
 
 
 class PrefillRole:
@@ -109,11 +88,16 @@ class PrefillRole:
         self._publish = publish
         self._flush_now = flush_now
         self._secret = secret
-        self.admit_timeout_s = admit_timeout_s
+        self.admission = DecodeAdmission(
+            worker_id,
+            bus,
+            subjects,
+            timeout_s=admit_timeout_s,
+            fail=self._fail,
+            observe_stage=lambda stage, s: self.observe_stage(stage, s),
+        )
         self.transfer_timeout_s = transfer_timeout_s
         self.split_planner = split_planner
-        # Re-pairing: an Active decode worker to use instead of the given one (or None).
-        self.repair: Callable[[str], str | None] | None = None
         self.queue: deque[PrefillJob] = deque()
         self.jobs: dict[str, PrefillJob] = {}
         self.exports: set[asyncio.Task[None]] = set()
@@ -203,7 +187,7 @@ class PrefillRole:
         if suffix_len:
             # A proposed split: the decode worker may refuse the steal, which changes what
             # we compute, so its answer comes first.
-            admit = await self._timed_admit(job, suffix_len)
+            admit = await self.admission.admit(job, suffix_len)
             if admit is None or job.cancelled:
                 if admit is not None:
                     await self._cancel_remote(job)
@@ -226,7 +210,7 @@ class PrefillRole:
             prefix_len = job.prompt_len
             seq_id = self._allocate(job, prefix_len)
             started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            admitting = asyncio.ensure_future(self._admit_after(started, job))
+            admitting = asyncio.ensure_future(self.admission.admit_after(started, job))
             try:
                 first = await self._compute(job, seq_id, prefix_len, sample=True, started=started)
             except BaseException:
@@ -330,73 +314,6 @@ class PrefillRole:
             await self._flush_now()
         else:
             self._publish()
-
-    async def _admit_after(
-        self, started: asyncio.Future[None], job: PrefillJob
-    ) -> AdmitReply | None:
-        """The unsplit admit, once the engine thread has the prefill: started earlier,
-        its Python work held the GIL the engine thread needed to start (measured: the
-        prefill began 0.2 ms later at p50, 1 ms at p99)."""
-        await started
-        return await self._timed_admit(job, 0)
-
-    async def _timed_admit(self, job: PrefillJob, suffix_len: int) -> AdmitReply | None:
-        started = time.perf_counter()
-        job.timestamps["admit_sent_s"] = time.time()
-        try:
-            return await self._admit(job, suffix_len)
-        finally:
-            job.timestamps["admitted_s"] = time.time()
-            self.observe_stage("decode_admission", time.perf_counter() - started)
-
-    async def _admit(self, job: PrefillJob, suffix_len: int) -> AdmitReply | None:
-        msg = job.msg
-        req = AdmitRequest(
-            request_id=msg.request_id,
-            router_id=msg.router_id,
-            prompt_len=job.prompt_len,
-            max_tokens=msg.sampling.max_tokens,
-            prefill_worker_id=self.worker_id,
-            suffix_len=suffix_len,
-            sampling=msg.sampling,
-            tokens_subject=msg.tokens_subject,
-            forced_split=msg.force_steal_ratio is not None,
-            suffix_token_ids=tuple(msg.prompt_token_ids[job.prompt_len - suffix_len :])
-            if suffix_len
-            else (),
-        )
-        subject = self.subjects.worker_admit(msg.decode_worker_id)
-        # Anchored on the request's arrival: a request keeps waiting for decode capacity at
-        # most until its TTFT deadline (or admit_timeout_s after it arrived, if later).
-        give_up_s = max(job.received_s + self.admit_timeout_s, job.deadline_s)
-        while not job.cancelled:
-            try:
-                reply = await self.bus.request(subject, req, AdmitReply, self.admit_timeout_s)
-            except RemoteError as exc:
-                self._fail(job, f"decode worker refused: {exc}", exc.code)
-                return None
-            except BusError as exc:
-                self._fail(
-                    job, f"decode worker {msg.decode_worker_id} unreachable: {exc}", exc.code
-                )
-                return None
-            if reply.ok:
-                return reply
-            if reply.retry_after_ms == 0 and self.repair is not None:
-                # The paired worker is draining or switched roles: pair with another one.
-                other = self.repair(msg.decode_worker_id)
-                if other is not None:
-                    msg = dataclasses.replace(msg, decode_worker_id=other)
-                    job.msg = msg
-                    subject = self.subjects.worker_admit(other)
-                    continue
-            if reply.retry_after_ms is None or time.monotonic() > give_up_s:
-                self._fail(
-                    job, f"decode worker has no capacity: {reply.error}", "kv_capacity_exhausted"
-                )
-                return None
-            await asyncio.sleep(reply.retry_after_ms / 1000)  # its backpressure, not a sync
-        return None
 
     async def _export(
         self, job: PrefillJob, ticket: TransferTicket, seq_id: str, meta: dict[str, Any]

@@ -169,7 +169,7 @@ class WorkerRuntime:
         await self.bus.serve(
             s.worker_cancel(wid), CancelRequest, self._on_cancel, max_concurrency=64
         )
-        self.prefill.repair = self.pick_decode_worker
+        self.prefill.admission.repair = self.pick_decode_worker
         self.switcher = RoleSwitcher(
             self, migrate=cfg.migrate, migrate_min_remaining_s=cfg.migrate_min_remaining_s
         )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from services.worker.prefill_role import PrefillJob
+from services.worker.prefill_job import PrefillJob
 from shared.engine.profiles import load_profile
 from shared.messages import WorkerTelemetry
 from shared.policy.config import PolicyConfig

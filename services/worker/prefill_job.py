@@ -1,0 +1,26 @@
+"""One queued prompt on a prefill worker, with the clocks its deadlines and stages use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.messages import PrefillRequest
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    msg: PrefillRequest
+    received_s: float  # our monotonic clock
+    deadline_s: float  # our monotonic clock
+    seed: int
+    arrival_s: float = 0.0  # our monotonic clock: when the router received the request
+    cancelled: bool = False
+    timestamps: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def request_id(self) -> str:
+        return self.msg.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.msg.prompt_token_ids)
