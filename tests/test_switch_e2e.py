@@ -109,6 +109,8 @@ async def test_switch_p_to_d_and_back_keeps_outputs(cluster: str, client: BusCli
     assert (await client.result(rid)).token_ids == want[0]
     assert client.telemetry["p1"].metrics["pid"] == pid_before
     await client.wait_telemetry(lambda t: t["p1"].role == "decode" and t["p1"].total_blocks == 256)
+    # As a decode worker p1 now listens to prefill telemetry: it offers p0 a steal budget.
+    await client.wait_telemetry(lambda t: "p0" in t["p1"].steal_budgets)
     # And back.
     answer = await asyncio.to_thread(_wire, cluster, "p1", b'{"role":"prefill"}')
     assert answer["ok"] is True

@@ -117,6 +117,7 @@ class RoleSwitcher:
         lent_blocks = self._reslice(to_role)
         reslice_s = time.perf_counter() - t_reslice
         rt.role = to_role
+        await rt.telemetry.follow_role(to_role)
         rt.prefill.admitting = rt.decode.admitting = True
         await self._set_state("active", f"now {to_role}")
         self.switches_total += 1

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from services.worker.prefill_job import PrefillJob
+from shared.bus import ServeHandle
 from shared.engine.profiles import load_profile
 from shared.messages import WorkerTelemetry
 from shared.policy.config import PolicyConfig
@@ -78,6 +79,8 @@ class Telemetry:
         self.steal_budget_tokens = 0.0
         self.max_suffix_tokens = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._peers_sub: ServeHandle | None = None
+        self._peers_role = ""
         self.subscribe_hooks_ready = False
 
     def _profile(self) -> LatencyProfile:
@@ -100,11 +103,29 @@ class Telemetry:
         return max(_MIN_CHUNK_TOKENS, int(self.max_suffix_tokens))
 
     async def start(self) -> None:
-        s = self.rt.subjects
-        await self.rt.bus.subscribe_stream(s.telemetry("*", "*"), WorkerTelemetry, self._on_peer)
+        await self.follow_role(self.rt.role)
         self._task = asyncio.ensure_future(self._publish_loop())
 
+    async def follow_role(self, role: str) -> None:
+        """Listen to the telemetry ``role`` uses, and only to it: a prefill worker reads the
+        decode workers' steal budgets, a decode worker which prefill workers are alive (it
+        offers each one a budget). Idempotent; the role switch calls it with the new role.
+        (Each worker used to decode every worker's telemetry, its own included: 50 messages
+        a second per worker, half of them unused.)"""
+        if role == self._peers_role:
+            return
+        if self._peers_sub is not None:
+            await self._peers_sub.stop()
+        other = "decode" if role == "prefill" else "prefill"
+        self._peers_role = role
+        self._peers_sub = await self.rt.bus.subscribe_stream(
+            self.rt.subjects.telemetry(other, "*"), WorkerTelemetry, self._on_peer
+        )
+
     async def stop(self) -> None:
+        if self._peers_sub is not None:
+            await self._peers_sub.stop()
+            self._peers_sub = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
