@@ -21,7 +21,6 @@ import contextlib
 import logging
 import threading
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,13 +44,13 @@ from shared.transfer.errors import (
     TransferTimeout,
     TransportError,
 )
+from shared.transfer.landed_hasher import LandedHasher
 from shared.transfer.ucx_node import TransferNode
 
 log = logging.getLogger(__name__)
 
 _INLINE_HASH_BYTES = 1 << 20
 _BACKGROUND_POLL_S = 0.002  # how often the (rare) sender abort is looked for
-_HASH_POLL_S = 0.0001  # the hash thread looks for the next landed segment this often
 
 
 @dataclass(frozen=True)
@@ -83,24 +82,6 @@ class _Inbound:
     hash_stop: threading.Event = field(default_factory=threading.Event)  # ends the follower
 
 
-def _hash_as_landed(
-    reqs: list[Any], runs: list[Any], num_segments: int, block_nbytes: int, stop: threading.Event
-) -> list[int]:
-    """Hash thread: checksum segment k as soon as its receive completes, in order.
-
-    ``reqs`` and ``runs`` are filled by the event loop while this runs (a run is appended
-    before its receive). Reads only ``completed`` flags and landed bytes; returns early
-    (with a partial list, which the caller discards) once ``stop`` is set.
-    """
-    sums: list[int] = []
-    for k in range(num_segments):
-        while not (len(reqs) > k and reqs[k].completed):
-            if stop.wait(_HASH_POLL_S):
-                return sums
-        sums.extend(block_checksums(runs[k], block_nbytes))
-    return sums
-
-
 class KVReceiver:
     """Receives KV for one worker into its arena, under its block manager."""
 
@@ -127,7 +108,7 @@ class KVReceiver:
         self._secret = secret
         self.verify_checksums = verify_checksums
         self._active: set[int] = set()
-        self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-recv-hash")
+        self._hasher = LandedHasher()  # one thread, started at the first large receive
         self._drains: set[asyncio.Task[None]] = set()
 
     def prepare(
@@ -299,8 +280,8 @@ class KVReceiver:
         On one host the copy runs inside UCX calls (posting a receive whose message is
         already there, or one worker progress that serves several segments back to back),
         with the GIL released but the event loop blocked: hashing dispatched from the loop
-        would start only after the copy (measured: +8 ms per 256 MiB). So the hash thread
-        follows the segments itself (``_hash_as_landed``) while the loop keeps copying.
+        would start only after the copy (measured: +8 ms per 256 MiB). So a hash thread
+        follows the segments itself (``LandedHasher``) while the loop keeps copying.
         Small transfers hash inline: a thread hop costs more than the hash.
         """
         loop = asyncio.get_running_loop()
@@ -310,14 +291,8 @@ class KVReceiver:
         views: list[Any] = []
         follower: asyncio.Future[list[int]] | None = None
         if self.verify_checksums and env.num_blocks * block_nbytes >= _INLINE_HASH_BYTES:
-            follower = loop.run_in_executor(
-                self._hash_pool,
-                _hash_as_landed,
-                st.pinned,
-                views,
-                len(env.segments),
-                block_nbytes,
-                st.hash_stop,
+            follower = self._hasher.follow(
+                st.pinned, views, len(env.segments), block_nbytes, st.hash_stop
             )
         for k, (first, count) in enumerate(env.segments):
             view = self.arena.run_bytes(dst[first], count)
@@ -455,4 +430,4 @@ class KVReceiver:
             log.warning("kv verdict not sent transfer=%x", env.transfer_id)
 
     def close(self) -> None:
-        self._hash_pool.shutdown(wait=False)
+        self._hasher.close()
