@@ -71,7 +71,7 @@ class PrefillRole:
         executor: Executor,
         publish: Callable[[], Any],
         *,
-        flush_now: Callable[[], Awaitable[None]] | None = None,
+        flush_now: Callable[[], Awaitable[None]],
         secret: bytes,
         admit_timeout_s: float,
         transfer_timeout_s: float,
@@ -94,6 +94,7 @@ class PrefillRole:
             subjects,
             timeout_s=admit_timeout_s,
             fail=self._fail,
+            # Looked up per call: the runtime installs the observer after construction.
             observe_stage=lambda stage, s: self.observe_stage(stage, s),
         )
         self.transfer_timeout_s = transfer_timeout_s
@@ -310,10 +311,7 @@ class PrefillRole:
                 timestamps=dict(job.timestamps),
             ),
         )
-        if self._flush_now is not None:
-            await self._flush_now()
-        else:
-            self._publish()
+        await self._flush_now()
 
     async def _export(
         self, job: PrefillJob, ticket: TransferTicket, seq_id: str, meta: dict[str, Any]
