@@ -94,14 +94,18 @@ def _stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(s for s in items if s)
 
 
+def _all_ints(values: list[Any]) -> bool:
+    """Every item an int, bools excluded. Set of types in C: a per-item Python check cost
+    ~1 ms per 8000-token prompt on the TTFT path."""
+    return set(map(type, values)) <= {int}
+
+
 def _token_ids(value: Any, vocab_size: int, param: str) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+    if not isinstance(value, list) or not _all_ints(value):
         raise BadRequest(f"'{param}' must be a list of integers", param=param)
-    bad = [t for t in value if not 0 <= t < vocab_size]
-    if bad:
-        raise BadRequest(
-            f"token id {bad[0]} is out of the vocabulary [0, {vocab_size})", param=param
-        )
+    if value and (min(value) < 0 or max(value) >= vocab_size):
+        bad = next(t for t in value if not 0 <= t < vocab_size)
+        raise BadRequest(f"token id {bad} is out of the vocabulary [0, {vocab_size})", param=param)
     return tuple(value)
 
 
@@ -180,7 +184,7 @@ def parse_completion(body: Any, tokenizer: Tokenizer, model_name: str) -> Genera
         if not prompt:
             raise BadRequest("the prompt is empty", param="prompt")
         ids = tuple(tokenizer.encode(prompt))
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and _all_ints(prompt):
         ids = _token_ids(prompt, vocab, "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise BadRequest("batched prompts are not supported; send one prompt", param="prompt")
