@@ -29,13 +29,13 @@ gaps are taken between consecutive tokens that each show text at once, and TTFT 
 the first token shows text by itself.
 
 Also reported: the engine's own sleep overshoot (``EmulatedEngine.step`` called in process
-with no thread hop, vs its prediction), the worker-measured prefill span vs its prediction and the TTFT breakdown
-from the router's and the workers' wall-clock stamps (client send → router submit → bus →
-worker queue → prefill start, prefill end → router receive, router → client per token; one
-host, one clock), and the sample counts behind
-every p99 (a p99 from fewer than ~100 samples is close to the maximum). Last stdout line:
-one JSON object with every figure, the goals and whether they were met, and the machine's
-load average (other processes inflate every figure on a small machine).
+with no thread hop, vs its prediction), the worker-measured prefill span vs its prediction,
+the TTFT breakdown from the router's and the workers' wall-clock stamps (client send →
+router submit → bus → worker queue → prefill start, prefill end → router receive, router →
+client per token; one host, one clock), and the sample counts behind every p99 (a p99 from
+fewer than ~100 samples is close to the maximum). Last stdout line: one JSON object with
+every figure, the goals and whether they were met, and the machine's load average (other
+processes inflate every figure on a small machine).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from services.bench.bus_client import BenchBusClient, StreamRecord
 from services.bench.sse_client import SSEClient
@@ -352,9 +353,9 @@ async def run_all_paths(
     bus: Samples = defaultdict(list)
     direct: Samples = defaultdict(list)
     bad = 0
-    host, _, port = url.removeprefix("http://").partition(":")
+    router = urlsplit(url)
     async with (
-        SSEClient(host, int(port.split("/")[0])) as http,
+        SSEClient(router.hostname or "127.0.0.1", router.port or 80) as http,
         BenchBusClient(nats_url) as client,
     ):
         await client.wait_workers(["p0", "d0"])

@@ -57,17 +57,29 @@ log = structlog.get_logger("fluidpd.bus")
 
 
 class ServeHandle:
-    """A running handler subscription; ``stop()`` unsubscribes (idempotent)."""
+    """A running handler subscription; ``stop()`` unsubscribes (idempotent) and leaves
+    ``owned_by`` (the bus's list of live handles, so subscriptions stopped early — a role
+    switch moves one — do not pile up there)."""
 
-    def __init__(self, sub: Subscription, tasks: set[asyncio.Task[None]]) -> None:
+    def __init__(
+        self,
+        sub: Subscription,
+        tasks: set[asyncio.Task[None]],
+        owned_by: list[ServeHandle] | None = None,
+    ) -> None:
         self._sub = sub
         self._tasks = tasks
+        self._owned_by = owned_by
         self._stopped = False
+        if owned_by is not None:
+            owned_by.append(self)
 
     async def stop(self) -> None:
         if self._stopped:
             return
         self._stopped = True
+        if self._owned_by is not None:
+            self._owned_by.remove(self)
         with contextlib.suppress(nats.errors.Error, OSError):  # connection already gone
             await self._sub.unsubscribe()
         for task in list(self._tasks):
@@ -171,7 +183,7 @@ class Bus:
         if self._stopped:
             return
         self._stopped = True
-        for handle in self._handles:
+        for handle in list(self._handles):
             await handle.stop()
         nc, self._nc = self._nc, None
         if nc is not None and not nc.is_closed:
@@ -345,9 +357,7 @@ class Bus:
             task.add_done_callback(done)
 
         sub = await nc.subscribe(subject, queue=queue or "", cb=on_message)
-        handle = ServeHandle(sub, tasks)
-        self._handles.append(handle)
-        return handle
+        return ServeHandle(sub, tasks, owned_by=self._handles)
 
     async def subscribe_stream(
         self,
@@ -378,6 +388,4 @@ class Bus:
             )
 
         sub = await nc.subscribe(subject, cb=on_message)
-        handle = ServeHandle(sub, set())
-        self._handles.append(handle)
-        return handle
+        return ServeHandle(sub, set(), owned_by=self._handles)

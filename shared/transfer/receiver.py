@@ -418,14 +418,9 @@ class KVReceiver:
         try:
             ep = await self.node.endpoint(env.src_address, env.src_host_id)
             frame = encode_verdict(env.transfer_id, ok, reason, self._secret)
-            req = self.node.post_send(
-                ep, bytearray(frame), proto.tag(env.transfer_id, proto.VERDICT_TAG)
+            await self.node.send_control(
+                ep, frame, proto.tag(env.transfer_id, proto.VERDICT_TAG), timeout_s=1.0
             )
-            with contextlib.suppress(TimeoutError, TransferError):
-                async with asyncio.timeout(1.0):
-                    await self.node.wait(req)
-            if not await self.node.settle(req, grace_s=0.05):
-                self.node.linger(req)
         except Exception:
             log.warning("kv verdict not sent transfer=%x", env.transfer_id)
 

@@ -226,8 +226,7 @@ class KVSender:
                 # A send the receiver never matches stays posted (UCX cannot cancel a
                 # send); a stopped receiver may still match it later, so its buffer (the
                 # envelope/trailer frames) must outlive this call: the node holds it.
-                if not await self.node.settle(req, grace_s=0.05):
-                    self.node.linger(req)
+                await self.node.let_go(req)
             release()
         timings["total_ms"] = (loop.time() - t0) * 1e3
         log.info(
@@ -265,12 +264,7 @@ class KVSender:
             return
         try:
             frame = encode_abort(transfer_id, reason, self._secret)
-            req = self.node.post_send(ep, bytearray(frame), proto.tag(transfer_id, proto.ABORT_TAG))
-            with contextlib.suppress(TimeoutError, TransferError):
-                async with asyncio.timeout(0.2):
-                    await self.node.wait(req)
-            if not await self.node.settle(req, grace_s=0.05):
-                self.node.linger(req)
+            await self.node.send_control(ep, frame, proto.tag(transfer_id, proto.ABORT_TAG), 0.2)
         except Exception:
             log.warning("kv abort not sent transfer=%x", transfer_id)
 

@@ -332,6 +332,22 @@ class TransferNode:
         if not op.completed:
             self._lingering.append(op)
 
+    async def let_go(self, op: UcxOp, grace_s: float = 0.05) -> None:
+        """Done with ``op``: settle it, and if UCX still holds it after ``grace_s`` (an
+        unmatched send cannot be cancelled) keep it and its buffer alive (``linger``)."""
+        if not await self.settle(op, grace_s=grace_s):
+            self.linger(op)
+
+    async def send_control(self, ep: Any, frame: bytes, tag: int, timeout_s: float) -> None:
+        """Best effort: send a small sealed control frame (verdict, abort), waiting for it at
+        most ``timeout_s``; the peer has its own deadline. Raises TransportError only when
+        the send cannot even be posted."""
+        op = self.post_send(ep, bytearray(frame), tag)
+        with contextlib.suppress(TimeoutError, TransportError):
+            async with asyncio.timeout(timeout_s):
+                await self.wait(op)
+        await self.let_go(op)
+
     async def settle(self, req: UcxOp, grace_s: float | None = None) -> bool:
         """Cancel ``req`` and wait until UCX reports it complete (or ``grace_s`` passes).
 
