@@ -58,6 +58,12 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=float(env("FLUIDPD_TIME_SCALE", "1.0")))
     p.add_argument("--heartbeat-s", type=float, default=float(env("FLUIDPD_HEARTBEAT_S", "1.0")))
     p.add_argument(
+        "--telemetry-interval-s",
+        type=float,
+        default=float(env("FLUIDPD_TELEMETRY_INTERVAL_S", "0.02")),
+        help="how often this worker publishes its pressure telemetry (design: ~20 ms)",
+    )
+    p.add_argument(
         "--transfer-timeout-s", type=float, default=float(env("FLUIDPD_TRANSFER_TIMEOUT_S", "10"))
     )
     p.add_argument(
@@ -113,6 +119,7 @@ def config_from_args(role: str, argv: list[str] | None) -> WorkerConfig:
         max_num_seqs=a.max_num_seqs,
         time_scale=a.time_scale,
         heartbeat_s=a.heartbeat_s,
+        telemetry_interval_s=a.telemetry_interval_s,
         transfer_timeout_s=a.transfer_timeout_s,
         fluidtoken=not a.no_fluidtoken,
         migrate=not a.no_migrate,
@@ -142,7 +149,11 @@ async def serve(cfg: WorkerConfig) -> None:
 
 
 def main(role: str, argv: list[str] | None = None) -> int:
-    cfg = config_from_args(role, argv)
+    try:
+        cfg = config_from_args(role, argv)
+    except ValueError as exc:  # a flag or env value out of range: one line, like argparse
+        print(f"python -m services.{role}_worker: error: {exc}", file=sys.stderr)
+        return 2
     configure_logging(json_logs=cfg.log_json, service=f"worker:{cfg.worker_id}")
     try:
         import uvloop

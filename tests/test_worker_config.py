@@ -1,0 +1,53 @@
+"""Worker command line: flags and environment -> WorkerConfig, and bad values -> one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.worker.config import WorkerConfig
+from services.worker.main import config_from_args, main
+
+
+def test_flags_reach_the_config() -> None:
+    cfg = config_from_args(
+        "decode",
+        [
+            "--id",
+            "d7",
+            "--engine",
+            "emulated",
+            "--telemetry-interval-s",
+            "0.05",
+            "--heartbeat-s",
+            "2",
+        ],
+    )
+    assert (cfg.worker_id, cfg.role, cfg.engine) == ("d7", "decode", "emulated")
+    assert cfg.telemetry_interval_s == 0.05
+    assert cfg.heartbeat_s == 2.0
+
+
+def test_environment_supplies_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLUIDPD_TELEMETRY_INTERVAL_S", "0.1")
+    monkeypatch.setenv("FLUIDPD_WORKER_ID", "p3")
+    cfg = config_from_args("prefill", [])
+    assert (cfg.worker_id, cfg.telemetry_interval_s) == ("p3", 0.1)
+    # A flag wins over the environment.
+    assert (
+        config_from_args("prefill", ["--telemetry-interval-s", "0.3"]).telemetry_interval_s == 0.3
+    )
+
+
+@pytest.mark.parametrize("name", ["telemetry_interval_s", "heartbeat_s", "transfer_timeout_s"])
+def test_non_positive_periods_are_rejected(name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        WorkerConfig(worker_id="w1", role="prefill", **{name: 0.0})  # type: ignore[arg-type]
+
+
+def test_bad_value_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main("decode", ["--id", "d1", "--telemetry-interval-s", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "telemetry_interval_s must be > 0" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert main("decode", ["--id", "bad.id"]) == 2
+    assert "worker_id" in capsys.readouterr().err
