@@ -20,7 +20,7 @@ from shared.policy.calibration import (
 )
 from shared.policy.config import PolicyConfig
 from shared.policy.errors import PolicyConfigError, ProfileFormatError
-from shared.policy.predictors import LatencyProfile, example_profile
+from shared.policy.predictors import TIME_COEFFICIENTS, LatencyProfile, example_profile
 from shared.policy.recalibration import EWLinearEstimator, OnlineRecalibrator
 
 PROFILE = example_profile()
@@ -70,6 +70,24 @@ def test_profile_json_roundtrip(tmp_path) -> None:
     assert doc["prefill"]["c1_s_per_token"] == 1e-4
     assert LatencyProfile.load(path) == PROFILE
     assert LatencyProfile.from_json(PROFILE.to_json()) == PROFILE
+
+
+def test_scaled_profile_scales_every_time_coefficient_and_nothing_else() -> None:
+    base = example_profile()
+    half = base.scaled(0.5, note="\n[test]")
+    for name in TIME_COEFFICIENTS:
+        assert getattr(half, name) == pytest.approx(getattr(base, name) * 0.5)
+    sizes = ("kv_bytes_per_token", "kv_capacity_tokens", "max_context_tokens", "model")
+    assert all(getattr(half, f) == getattr(base, f) for f in sizes)
+    assert half.derivation == base.derivation + "\n[test]"
+    assert half.prefill_time_s(1000) == pytest.approx(base.prefill_time_s(1000) / 2)
+    assert base.scaled(1.0) is base
+    # Every float field of the profile is either a time coefficient or unchanged on purpose.
+    floats = {f.name for f in dataclasses.fields(base) if f.type in ("float", float)}
+    assert floats == set(TIME_COEFFICIENTS)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(PolicyConfigError):
+            base.scaled(bad)
 
 
 def test_profile_rejects_bad_documents() -> None:

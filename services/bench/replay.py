@@ -40,25 +40,12 @@ from shared.policy.config import PolicyConfig
 from shared.policy.predictors import LatencyProfile
 
 CONFIGS = ("static", "token", "role", "full", "oracle")
-_TIME_FIELDS = (
-    "prefill_c1_s_per_token",
-    "prefill_c0_s",
-    "suffix_s1_s_per_token",
-    "suffix_attn_s_per_token_pair",
-    "suffix_s0_s",
-    "decode_ac_s_per_ctx_token",
-    "decode_an_s_per_seq",
-    "decode_a0_s",
-)
 
 
 def scaled_profile(profile: LatencyProfile, time_scale: float) -> LatencyProfile:
     """Every time coefficient × ``time_scale`` (sizes unchanged)."""
-    note = f"\n[fluidpd bench replay: every time coefficient x {time_scale:g}]"
-    return replace(
-        profile,
-        derivation=profile.derivation + note,
-        **{f: getattr(profile, f) * time_scale for f in _TIME_FIELDS},
+    return profile.scaled(
+        time_scale, note=f"\n[fluidpd bench replay: every time coefficient x {time_scale:g}]"
     )
 
 

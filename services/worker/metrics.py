@@ -13,6 +13,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
+from shared.policy.predictors import TIME_COEFFICIENTS
+
 if TYPE_CHECKING:
     from services.worker.runtime import WorkerRuntime
 
@@ -25,16 +27,6 @@ TTFT_STAGES = (
     "transfer_queue",
     "copy",
     "validation",
-)
-_COEFFICIENTS = (
-    "prefill_c1_s_per_token",
-    "prefill_c0_s",
-    "suffix_s1_s_per_token",
-    "suffix_attn_s_per_token_pair",
-    "suffix_s0_s",
-    "decode_ac_s_per_ctx_token",
-    "decode_an_s_per_seq",
-    "decode_a0_s",
 )
 _BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30)
 
@@ -162,7 +154,7 @@ class WorkerMetrics:
         self.refused.labels(wid).set(rt.decode.refused_steals_total)
         self.switches.labels(wid).set(rt.switcher.switches_total)
         prof = t.profile
-        for name in _COEFFICIENTS:
+        for name in TIME_COEFFICIENTS:
             self.coefficient.labels(wid, name).set(getattr(prof, name))
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -35,27 +34,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 
 _MIN_CHUNK_TOKENS = 32
-_TIME_COEFFICIENTS = (
-    "prefill_c1_s_per_token",
-    "prefill_c0_s",
-    "suffix_s1_s_per_token",
-    "suffix_attn_s_per_token_pair",
-    "suffix_s0_s",
-    "decode_ac_s_per_ctx_token",
-    "decode_an_s_per_seq",
-    "decode_a0_s",
-)
-
-
-def scale_profile(profile: LatencyProfile, factor: float) -> LatencyProfile:
-    """The same profile with every time coefficient multiplied by ``factor``."""
-    if factor == 1.0:
-        return profile
-    return dataclasses.replace(
-        profile, **{name: getattr(profile, name) * factor for name in _TIME_COEFFICIENTS}
-    )
-
-
 _PEER_FRESH_S = 2.0  # a prefill worker unheard of for this long no longer shares budgets
 
 
@@ -87,7 +65,7 @@ class Telemetry:
         eng = self.rt.engine
         if getattr(eng, "profile", None) is not None:
             # The emulated engine sleeps profile × time_scale: predict the same times.
-            return scale_profile(eng.profile, self.rt.cfg.time_scale)
+            return eng.profile.scaled(self.rt.cfg.time_scale)
         return load_profile(self.rt.cfg.profile or "cpu-tiny")
 
     def install_policy(self) -> None:

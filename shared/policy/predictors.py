@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,18 @@ _SLOPES_NONNEG = (
     "decode_an_s_per_seq",
 )
 _INTERCEPTS = ("prefill_c0_s", "suffix_s0_s", "decode_a0_s")
+# Every coefficient measured in seconds (per token, per pair, ...): they scale together when
+# the hardware is uniformly faster or slower (time-scaled runs, exported gauges).
+TIME_COEFFICIENTS = (
+    "prefill_c1_s_per_token",
+    "prefill_c0_s",
+    "suffix_s1_s_per_token",
+    "suffix_attn_s_per_token_pair",
+    "suffix_s0_s",
+    "decode_ac_s_per_ctx_token",
+    "decode_an_s_per_seq",
+    "decode_a0_s",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +95,20 @@ class LatencyProfile:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise PolicyConfigError(f"latency profile: {name} must be a positive int")
+
+    def scaled(self, factor: float, note: str = "") -> LatencyProfile:
+        """The same profile with every time coefficient × ``factor`` (sizes unchanged);
+        ``note`` is appended to the derivation. Pure; returns ``self`` for factor 1 and
+        no note. Raises PolicyConfigError for a non-positive or non-finite factor."""
+        if not math.isfinite(factor) or factor <= 0:
+            raise PolicyConfigError(f"latency profile: scale factor must be > 0, got {factor}")
+        if factor == 1.0 and not note:
+            return self
+        return replace(
+            self,
+            derivation=self.derivation + note,
+            **{name: getattr(self, name) * factor for name in TIME_COEFFICIENTS},
+        )
 
     # ---- predictors -------------------------------------------------------------------
 
