@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 from prometheus_client import start_http_server
 
+from services.common.service import Service
 from services.controller.config import ControllerConfig
 from services.controller.metrics import ControllerMetrics
 from services.controller.status import WorkerBook
@@ -43,7 +44,7 @@ from shared.policy.fluidrole import Decision, RolePolicy
 log = structlog.get_logger("fluidpd.controller")
 
 
-class Controller:
+class Controller(Service):
     """One controller process's state. Not thread-safe; one event loop."""
 
     def __init__(self, config: ControllerConfig) -> None:
@@ -80,13 +81,6 @@ class Controller:
     @property
     def auto(self) -> bool:
         return not self.policy.paused
-
-    async def __aenter__(self) -> Controller:
-        await self.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop()
 
     async def start(self) -> None:
         """Connect, watch the registry, subscribe, serve, start the policy loop.

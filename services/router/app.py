@@ -18,6 +18,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from services.common.service import Service
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError, BadRequest, error_body, error_type_for
@@ -55,7 +56,7 @@ def error_response(exc: Exception) -> web.Response:
     )
 
 
-class Router:
+class Router(Service):
     """One router. Not thread-safe (one event loop)."""
 
     def __init__(self, cfg: RouterConfig, tokenizer: Tokenizer | None = None) -> None:
@@ -80,17 +81,6 @@ class Router:
         return f"http://{self.cfg.host}:{self.port}"
 
     # --- lifecycle ----------------------------------------------------------------------
-    async def __aenter__(self) -> Router:
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.stop()
-
     async def start(self) -> None:
         """Connect, watch the registry, subscribe, listen. Raises BusError, ModelLoadError,
         TimeoutError (registry), OSError (port in use)."""

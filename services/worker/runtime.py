@@ -20,6 +20,7 @@ from typing import Any, cast
 import structlog
 from prometheus_client import CollectorRegistry
 
+from services.common.service import Service
 from services.worker.config import WorkerConfig
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_factory import build_engine, fingerprint_of
@@ -55,7 +56,7 @@ log = structlog.get_logger(__name__)
 _INSECURE_DEFAULT_SECRET = b"fluidpd-insecure-default-secret"
 
 
-class WorkerRuntime:
+class WorkerRuntime(Service):
     """A worker process's services. Use as ``async with WorkerRuntime(cfg) as rt``."""
 
     def __init__(self, cfg: WorkerConfig) -> None:
@@ -73,17 +74,6 @@ class WorkerRuntime:
         self.engine: Any = None
 
     # ----------------------------------------------------------------- lifecycle
-    async def __aenter__(self) -> WorkerRuntime:
-        try:
-            await self.start()
-        except BaseException:
-            await self.stop()
-            raise
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.stop()
-
     async def start(self) -> None:
         cfg = self.cfg
         loop = asyncio.get_running_loop()
