@@ -10,7 +10,8 @@ Request life on a decode worker::
       -> finish: blocks freed                                   [runnable -> gone]
 
 A short prompt routed here directly (``serve_local``) skips the transfer: its whole prompt
-is the "suffix" on zero context.
+is the "suffix" on zero context. Admission and KV intake are in decode_intake.py (the base
+class); this file has the batch loop, cancellation, migration out and telemetry.
 
 Ownership: the block manager is touched only from the event loop thread. A step running in
 the engine thread writes KV only into blocks of requests in that step; a request cancelled
@@ -23,20 +24,17 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-from services.worker.params import engine_params
+from services.worker.decode_intake import DecodeIntake, DecodeRequest
 from services.worker.token_stream import TokenStreamer
 from shared.engine.batch import StepInput
 from shared.engine.engine import SampleSpec
-from shared.engine.sequence import Sequence, finish_reason_after
+from shared.engine.sequence import finish_reason_after
 from shared.errors import NoFreeBlocksError
-from shared.messages import AdmitReply, AdmitRequest, MigrateRequest, PrefillRequest, TokenItem
-from shared.messages import SamplingParams as WireParams
-from shared.transfer.errors import TransferError
+from shared.messages import TokenItem
 from shared.transfer.receiver import KVReceiver
 
 log = structlog.get_logger(__name__)
@@ -44,23 +42,7 @@ log = structlog.get_logger(__name__)
 _MAX_REMEMBERED_IDS = 4096  # bounded memory of migrated / early-cancelled request ids
 
 
-@dataclass(eq=False)
-class DecodeRequest:
-    request_id: str
-    tokens_subject: str
-    seq: Sequence
-    arrival_s: float
-    phase: str = "receiving"  # receiving | runnable
-    receive_task: asyncio.Task[Any] | None = None
-    stolen_tokens: int = 0
-    suffix_token_ids: tuple[int, ...] = ()
-    migrating: bool = False
-    ticket: Any = None
-    receive_started: bool = False
-    timestamps: dict[str, float] = field(default_factory=dict)
-
-
-class DecodeRole:
+class DecodeRole(DecodeIntake):
     """Owns the decode-side request table and the decode loop of one worker."""
 
     def __init__(
@@ -91,10 +73,8 @@ class DecodeRole:
         self._suffix_budget = suffix_budget
         self.chunk_budget: Callable[[], int] | None = None
         self.requests: dict[str, DecodeRequest] = {}
-        self.migrated_to: dict[str, str] = {}
-        self._cancelled: dict[
-            str, None
-        ] = {}  # ids cancelled before their admit arrived  # request id -> peer that now decodes it
+        self.migrated_to: dict[str, str] = {}  # request id -> peer that now decodes it
+        self._cancelled: dict[str, None] = {}  # ids cancelled before their admit arrived
         self.runnable: list[DecodeRequest] = []
         self._in_step: set[str] = set()
         self._doomed: set[str] = set()
@@ -113,175 +93,7 @@ class DecodeRole:
         self.observe_stage: Callable[[str, float], None] = lambda _stage, _s: None
         self.observe_step: Callable[[int, int, int, float], None] = lambda *_a: None
 
-    # ------------------------------------------------------------------ admission
-    def _blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
-        """Blocks reserved at admission: the prompt plus a decode horizon. Longer outputs
-        grow their table while decoding (``_ensure_room``)."""
-        total = min(
-            prompt_len + min(max_tokens, self.decode_reserve_tokens), self.engine.max_model_len
-        )
-        return self.bm.blocks_for_tokens(total)
-
-    @staticmethod
-    def _sequence(request_id: str, prompt: list[int], sampling: WireParams) -> Sequence:
-        """A request's Sequence with the seed the router resolved (so every worker agrees)."""
-        seed = sampling.seed if sampling.seed is not None else -1
-        return Sequence(request_id, prompt, engine_params(sampling), seed=seed)
-
-    def _reserve(
-        self,
-        request_id: str,
-        prompt_len: int,
-        kv_tokens: int,
-        sampling: WireParams,
-        tokens_subject: str,
-    ) -> tuple[DecodeRequest | None, AdmitReply | None]:
-        """Reserve blocks for a request whose first ``kv_tokens`` of KV will arrive, and
-        post its receive. Returns (request, None), or (None, refusal) when the pool is short.
-        The prompt's token ids are placeholders: only its KV arrives."""
-        try:
-            ticket = self.receiver.prepare(
-                request_id,
-                num_tokens=kv_tokens,
-                num_blocks=self._blocks_for_request(prompt_len, sampling.max_tokens),
-            )
-        except NoFreeBlocksError as exc:
-            if exc.needed_blocks > self.bm.num_usable_blocks:  # can never fit: no point retrying
-                return None, AdmitReply(ok=False, error=f"request larger than the KV pool: {exc}")
-            return None, AdmitReply(ok=False, error=str(exc), retry_after_ms=50)
-        seq = self._sequence(request_id, [0] * prompt_len, sampling)
-        req = DecodeRequest(request_id, tokens_subject, seq, time.time(), ticket=ticket)
-        self.requests[request_id] = req
-        return req, None
-
-    def _start_receive(self, req: DecodeRequest, suffix_len: int = 0) -> AdmitReply:
-        req.receive_task = asyncio.ensure_future(self._receive(req, req.ticket))
-        req.receive_task.add_done_callback(lambda _: self._release_unstarted(req))
-        return AdmitReply(
-            ok=True,
-            transfer_id=req.ticket.transfer_id,
-            ticket=self.receiver.encode_ticket(req.ticket),  # block ids, generations, address
-            suffix_len=suffix_len,
-        )
-
-    def admit(self, msg: AdmitRequest) -> AdmitReply:
-        """Reserve blocks for ``msg`` and post its KV receive. Never raises for capacity."""
-        if not self.admitting:
-            return AdmitReply(
-                ok=False, error="worker is not admitting decode work", retry_after_ms=0
-            )
-        if msg.request_id in self.requests:
-            return AdmitReply(ok=False, error=f"request {msg.request_id} already admitted")
-        if msg.request_id in self._cancelled:
-            return AdmitReply(ok=False, error=f"request {msg.request_id} was cancelled")
-        if len(self.requests) >= self.max_num_seqs:
-            return AdmitReply(ok=False, error="decode batch is full", retry_after_ms=20)
-        suffix_len = msg.suffix_len
-        if suffix_len and self._suffix_budget is not None:
-            allowed = self._suffix_budget(
-                msg.prefill_worker_id, msg.prompt_len - suffix_len, msg.forced_split
-            )
-            if suffix_len > allowed:
-                # Re-check our own budget: refuse the steal rather than overrun TPOT.
-                self.refused_steals_total += 1
-                suffix_len = 0
-        req, refusal = self._reserve(
-            msg.request_id,
-            msg.prompt_len,
-            msg.prompt_len - suffix_len,
-            msg.sampling,
-            msg.tokens_subject,
-        )
-        if req is None:
-            return refusal  # type: ignore[return-value]
-        if suffix_len:
-            req.suffix_token_ids = tuple(msg.suffix_token_ids)
-        return self._start_receive(req, suffix_len)
-
-    def _release_unstarted(self, req: DecodeRequest) -> None:
-        """A receive task cancelled before its first step (admit and cancel both queued
-        while this process was stopped, then handled in one loop turn) never reached
-        ``receiver.receive``, which owns the reservation from its first line: release the
-        ticket here, or its blocks stay reserved for good."""
-        if not req.receive_started and req.ticket is not None:
-            self.receiver.release(req.ticket)
-
-    async def _receive(self, req: DecodeRequest, ticket: Any) -> None:
-        req.receive_started = True  # from here on the receiver owns the reservation
-        try:
-            got = await self.receiver.receive(ticket, timeout_s=self.transfer_timeout_s)
-        except TransferError as exc:
-            log.warning("kv_receive_failed", request_id=req.request_id, error=str(exc))
-            self.requests.pop(req.request_id, None)
-            self.streamer.add(
-                req.tokens_subject,
-                TokenItem(
-                    request_id=req.request_id,
-                    index=len(req.seq.output_token_ids),
-                    finish_reason="error",
-                    error=f"KV transfer failed: {exc}",
-                    error_code=exc.code,
-                ),
-            )
-            self._publish()
-            return
-        except asyncio.CancelledError:
-            self.requests.pop(req.request_id, None)
-            raise
-        if req.request_id not in self.requests:  # cancelled while installing
-            self.bm.free_sequence(got.seq_id)
-            return
-        t = got.timings_ms
-        self.observe_stage("transfer_queue", t.get("envelope_wait_ms", 0.0) / 1e3)
-        self.observe_stage("copy", t.get("data_ms", 0.0) / 1e3)
-        self.observe_stage(
-            "validation", (t.get("validate_ms", 0.0) + t.get("install_ms", 0.0)) / 1e3
-        )
-        meta = got.meta
-        seq = req.seq
-        if "migrated_cached_tokens" in meta:  # a live migration: continue where it left off
-            self.migrations_in_total += 1
-            seq.num_cached_tokens = int(meta["migrated_cached_tokens"])
-            req.phase = "runnable"
-            self.runnable.append(req)
-            self.wakeup.set()
-            return
-        prefix_len = int(meta["prefix_len"])
-        seq.num_cached_tokens = prefix_len
-        suffix = list(req.suffix_token_ids)
-        if prefix_len + len(suffix) != len(seq.prompt_token_ids):
-            suffix = []  # defensive: a prefix without its suffix cannot be completed
-        if suffix:
-            seq.prompt_token_ids = seq.prompt_token_ids[:prefix_len] + suffix
-            req.stolen_tokens = len(suffix)
-        else:
-            seq.output_token_ids.append(int(meta["first_token"]))
-            seq.finish_reason = finish_reason_after(
-                seq, seq.output_token_ids[-1], self.engine.eos_token_ids, self.engine.max_model_len
-            )
-            if seq.finished:
-                self._finish(req)
-                self._publish()
-                return
-        req.phase = "runnable"
-        req.timestamps["kv_installed_s"] = time.time()
-        self.runnable.append(req)
-        self.wakeup.set()
-
-    def admit_migration(self, msg: MigrateRequest) -> AdmitReply:
-        """Take over a running request from a peer: reserve, receive its KV, continue."""
-        if not self.admitting:
-            return AdmitReply(ok=False, error="worker is not admitting decode work")
-        if msg.request_id in self.requests or len(self.requests) >= self.max_num_seqs:
-            return AdmitReply(ok=False, error="cannot take this request now")
-        req, refusal = self._reserve(
-            msg.request_id, msg.prompt_len, msg.num_tokens, msg.sampling, msg.tokens_subject
-        )
-        if req is None:
-            return refusal  # type: ignore[return-value]
-        req.seq.output_token_ids = list(msg.generated_token_ids)
-        return self._start_receive(req)
-
+    # ------------------------------------------------------------ migration out
     async def freeze(self, request_id: str) -> DecodeRequest | None:
         """Take a runnable request out of the batch at a step boundary (for migration)."""
         req = self.requests.get(request_id)
@@ -308,22 +120,6 @@ class DecodeRole:
         while len(self.migrated_to) > _MAX_REMEMBERED_IDS:  # bounded: oldest first
             self.migrated_to.pop(next(iter(self.migrated_to)))
         self._finish(req)
-
-    def serve_local(self, msg: PrefillRequest) -> None:
-        """Serve a (short) prompt entirely here. Raises NoFreeBlocksError if it cannot fit."""
-        if msg.request_id in self.requests:
-            raise ValueError(f"request {msg.request_id} already here")
-        n = len(msg.prompt_token_ids)
-        self.engine.check_prompt(n)
-        blocks = self._blocks_for_request(n, msg.sampling.max_tokens)
-        if not self.bm.can_allocate(blocks):
-            raise NoFreeBlocksError(blocks, self.bm.num_free_blocks)
-        self.bm.allocate(msg.request_id, blocks * self.bm.block_size)
-        seq = self._sequence(msg.request_id, list(msg.prompt_token_ids), msg.sampling)
-        req = DecodeRequest(msg.request_id, msg.tokens_subject, seq, time.time(), phase="runnable")
-        self.requests[msg.request_id] = req
-        self.runnable.append(req)
-        self.wakeup.set()
 
     # --------------------------------------------------------------------- cancel
     def cancel(self, request_id: str) -> bool:

@@ -1,0 +1,258 @@
+"""Decode role, intake side: how a request enters a decode worker.
+
+    admit: reserve blocks for prompt + decode horizon, post the KV receive   [receiving]
+      -> the KV arrives, validated, installed in one step                   [runnable]
+
+A live migration from a peer arrives the same way (``admit_migration``: the sequence goes
+on where it stopped there); a short prompt routed here whole (``serve_local``) skips the
+transfer. ``DecodeRole`` (decode_role.py) adds the batch loop on top of this base class;
+both act on the one request table the role owns, from the event loop only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+
+from services.worker.params import engine_params
+from services.worker.token_stream import TokenStreamer
+from shared.engine.sequence import Sequence, finish_reason_after
+from shared.errors import NoFreeBlocksError
+from shared.messages import AdmitReply, AdmitRequest, MigrateRequest, PrefillRequest, TokenItem
+from shared.messages import SamplingParams as WireParams
+from shared.transfer.errors import TransferError
+from shared.transfer.receiver import KVReceiver
+
+log = structlog.get_logger("services.worker.decode_role")
+
+
+@dataclass(eq=False)
+class DecodeRequest:
+    request_id: str
+    tokens_subject: str
+    seq: Sequence
+    arrival_s: float
+    phase: str = "receiving"  # receiving | runnable
+    receive_task: asyncio.Task[Any] | None = None
+    stolen_tokens: int = 0
+    suffix_token_ids: tuple[int, ...] = ()
+    migrating: bool = False
+    ticket: Any = None
+    receive_started: bool = False
+    timestamps: dict[str, float] = field(default_factory=dict)
+
+
+class DecodeIntake:
+    """Admission and KV intake for ``DecodeRole``. A base class, not a service of its own:
+    the attributes below are the role's (set in ``DecodeRole.__init__``)."""
+
+    engine: Any
+    bm: Any
+    receiver: KVReceiver
+    streamer: TokenStreamer
+    _publish: Callable[[], Any]
+    transfer_timeout_s: float
+    max_num_seqs: int
+    decode_reserve_tokens: int
+    _suffix_budget: Callable[[str, int, bool], int] | None
+    requests: dict[str, DecodeRequest]
+    runnable: list[DecodeRequest]
+    _cancelled: dict[str, None]
+    wakeup: asyncio.Event
+    admitting: bool
+    refused_steals_total: int
+    migrations_in_total: int
+    observe_stage: Callable[[str, float], None]
+
+    def _finish(self, req: DecodeRequest) -> None:
+        """Drop ``req`` and free its blocks (the role's; see DecodeRole._finish)."""
+        raise NotImplementedError
+
+    def _blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
+        """Blocks reserved at admission: the prompt plus a decode horizon. Longer outputs
+        grow their table while decoding (``_ensure_room``)."""
+        total = min(
+            prompt_len + min(max_tokens, self.decode_reserve_tokens), self.engine.max_model_len
+        )
+        return self.bm.blocks_for_tokens(total)
+
+    @staticmethod
+    def _sequence(request_id: str, prompt: list[int], sampling: WireParams) -> Sequence:
+        """A request's Sequence with the seed the router resolved (so every worker agrees)."""
+        seed = sampling.seed if sampling.seed is not None else -1
+        return Sequence(request_id, prompt, engine_params(sampling), seed=seed)
+
+    def _reserve(
+        self,
+        request_id: str,
+        prompt_len: int,
+        kv_tokens: int,
+        sampling: WireParams,
+        tokens_subject: str,
+    ) -> tuple[DecodeRequest | None, AdmitReply | None]:
+        """Reserve blocks for a request whose first ``kv_tokens`` of KV will arrive, and
+        post its receive. Returns (request, None), or (None, refusal) when the pool is short.
+        The prompt's token ids are placeholders: only its KV arrives."""
+        try:
+            ticket = self.receiver.prepare(
+                request_id,
+                num_tokens=kv_tokens,
+                num_blocks=self._blocks_for_request(prompt_len, sampling.max_tokens),
+            )
+        except NoFreeBlocksError as exc:
+            if exc.needed_blocks > self.bm.num_usable_blocks:  # can never fit: no point retrying
+                return None, AdmitReply(ok=False, error=f"request larger than the KV pool: {exc}")
+            return None, AdmitReply(ok=False, error=str(exc), retry_after_ms=50)
+        seq = self._sequence(request_id, [0] * prompt_len, sampling)
+        req = DecodeRequest(request_id, tokens_subject, seq, time.time(), ticket=ticket)
+        self.requests[request_id] = req
+        return req, None
+
+    def _start_receive(self, req: DecodeRequest, suffix_len: int = 0) -> AdmitReply:
+        req.receive_task = asyncio.ensure_future(self._receive(req, req.ticket))
+        req.receive_task.add_done_callback(lambda _: self._release_unstarted(req))
+        return AdmitReply(
+            ok=True,
+            transfer_id=req.ticket.transfer_id,
+            ticket=self.receiver.encode_ticket(req.ticket),  # block ids, generations, address
+            suffix_len=suffix_len,
+        )
+
+    def admit(self, msg: AdmitRequest) -> AdmitReply:
+        """Reserve blocks for ``msg`` and post its KV receive. Never raises for capacity."""
+        if not self.admitting:
+            return AdmitReply(
+                ok=False, error="worker is not admitting decode work", retry_after_ms=0
+            )
+        if msg.request_id in self.requests:
+            return AdmitReply(ok=False, error=f"request {msg.request_id} already admitted")
+        if msg.request_id in self._cancelled:
+            return AdmitReply(ok=False, error=f"request {msg.request_id} was cancelled")
+        if len(self.requests) >= self.max_num_seqs:
+            return AdmitReply(ok=False, error="decode batch is full", retry_after_ms=20)
+        suffix_len = msg.suffix_len
+        if suffix_len and self._suffix_budget is not None:
+            allowed = self._suffix_budget(
+                msg.prefill_worker_id, msg.prompt_len - suffix_len, msg.forced_split
+            )
+            if suffix_len > allowed:
+                # Re-check our own budget: refuse the steal rather than overrun TPOT.
+                self.refused_steals_total += 1
+                suffix_len = 0
+        req, refusal = self._reserve(
+            msg.request_id,
+            msg.prompt_len,
+            msg.prompt_len - suffix_len,
+            msg.sampling,
+            msg.tokens_subject,
+        )
+        if req is None:
+            return refusal  # type: ignore[return-value]
+        if suffix_len:
+            req.suffix_token_ids = tuple(msg.suffix_token_ids)
+        return self._start_receive(req, suffix_len)
+
+    def _release_unstarted(self, req: DecodeRequest) -> None:
+        """A receive task cancelled before its first step (admit and cancel both queued
+        while this process was stopped, then handled in one loop turn) never reached
+        ``receiver.receive``, which owns the reservation from its first line: release the
+        ticket here, or its blocks stay reserved for good."""
+        if not req.receive_started and req.ticket is not None:
+            self.receiver.release(req.ticket)
+
+    async def _receive(self, req: DecodeRequest, ticket: Any) -> None:
+        req.receive_started = True  # from here on the receiver owns the reservation
+        try:
+            got = await self.receiver.receive(ticket, timeout_s=self.transfer_timeout_s)
+        except TransferError as exc:
+            log.warning("kv_receive_failed", request_id=req.request_id, error=str(exc))
+            self.requests.pop(req.request_id, None)
+            self.streamer.add(
+                req.tokens_subject,
+                TokenItem(
+                    request_id=req.request_id,
+                    index=len(req.seq.output_token_ids),
+                    finish_reason="error",
+                    error=f"KV transfer failed: {exc}",
+                    error_code=exc.code,
+                ),
+            )
+            self._publish()
+            return
+        except asyncio.CancelledError:
+            self.requests.pop(req.request_id, None)
+            raise
+        if req.request_id not in self.requests:  # cancelled while installing
+            self.bm.free_sequence(got.seq_id)
+            return
+        t = got.timings_ms
+        self.observe_stage("transfer_queue", t.get("envelope_wait_ms", 0.0) / 1e3)
+        self.observe_stage("copy", t.get("data_ms", 0.0) / 1e3)
+        self.observe_stage(
+            "validation", (t.get("validate_ms", 0.0) + t.get("install_ms", 0.0)) / 1e3
+        )
+        meta = got.meta
+        seq = req.seq
+        if "migrated_cached_tokens" in meta:  # a live migration: continue where it left off
+            self.migrations_in_total += 1
+            seq.num_cached_tokens = int(meta["migrated_cached_tokens"])
+            req.phase = "runnable"
+            self.runnable.append(req)
+            self.wakeup.set()
+            return
+        prefix_len = int(meta["prefix_len"])
+        seq.num_cached_tokens = prefix_len
+        suffix = list(req.suffix_token_ids)
+        if prefix_len + len(suffix) != len(seq.prompt_token_ids):
+            suffix = []  # defensive: a prefix without its suffix cannot be completed
+        if suffix:
+            seq.prompt_token_ids = seq.prompt_token_ids[:prefix_len] + suffix
+            req.stolen_tokens = len(suffix)
+        else:
+            seq.output_token_ids.append(int(meta["first_token"]))
+            seq.finish_reason = finish_reason_after(
+                seq, seq.output_token_ids[-1], self.engine.eos_token_ids, self.engine.max_model_len
+            )
+            if seq.finished:
+                self._finish(req)
+                self._publish()
+                return
+        req.phase = "runnable"
+        req.timestamps["kv_installed_s"] = time.time()
+        self.runnable.append(req)
+        self.wakeup.set()
+
+    def admit_migration(self, msg: MigrateRequest) -> AdmitReply:
+        """Take over a running request from a peer: reserve, receive its KV, continue."""
+        if not self.admitting:
+            return AdmitReply(ok=False, error="worker is not admitting decode work")
+        if msg.request_id in self.requests or len(self.requests) >= self.max_num_seqs:
+            return AdmitReply(ok=False, error="cannot take this request now")
+        req, refusal = self._reserve(
+            msg.request_id, msg.prompt_len, msg.num_tokens, msg.sampling, msg.tokens_subject
+        )
+        if req is None:
+            return refusal  # type: ignore[return-value]
+        req.seq.output_token_ids = list(msg.generated_token_ids)
+        return self._start_receive(req)
+
+    def serve_local(self, msg: PrefillRequest) -> None:
+        """Serve a (short) prompt entirely here. Raises NoFreeBlocksError if it cannot fit."""
+        if msg.request_id in self.requests:
+            raise ValueError(f"request {msg.request_id} already here")
+        n = len(msg.prompt_token_ids)
+        self.engine.check_prompt(n)
+        blocks = self._blocks_for_request(n, msg.sampling.max_tokens)
+        if not self.bm.can_allocate(blocks):
+            raise NoFreeBlocksError(blocks, self.bm.num_free_blocks)
+        self.bm.allocate(msg.request_id, blocks * self.bm.block_size)
+        seq = self._sequence(msg.request_id, list(msg.prompt_token_ids), msg.sampling)
+        req = DecodeRequest(msg.request_id, msg.tokens_subject, seq, time.time(), phase="runnable")
+        self.requests[msg.request_id] = req
+        self.runnable.append(req)
+        self.wakeup.set()
