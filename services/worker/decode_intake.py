@@ -73,6 +73,21 @@ class DecodeIntake:
         """Drop ``req`` and free its blocks (the role's; see DecodeRole._finish)."""
         raise NotImplementedError
 
+    def _stream_error(self, req: DecodeRequest, error: str, code: str) -> None:
+        """End ``req``'s token stream with an error item and ask for a flush. Does not drop
+        the request: the caller does."""
+        self.streamer.add(
+            req.tokens_subject,
+            TokenItem(
+                request_id=req.request_id,
+                index=len(req.seq.output_token_ids),
+                finish_reason="error",
+                error=error,
+                error_code=code,
+            ),
+        )
+        self._publish()
+
     def _blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
         """Blocks reserved at admission: the prompt plus a decode horizon. Longer outputs
         grow their table while decoding (``_ensure_room``)."""
@@ -172,17 +187,7 @@ class DecodeIntake:
         except TransferError as exc:
             log.warning("kv_receive_failed", request_id=req.request_id, error=str(exc))
             self.requests.pop(req.request_id, None)
-            self.streamer.add(
-                req.tokens_subject,
-                TokenItem(
-                    request_id=req.request_id,
-                    index=len(req.seq.output_token_ids),
-                    finish_reason="error",
-                    error=f"KV transfer failed: {exc}",
-                    error_code=exc.code,
-                ),
-            )
-            self._publish()
+            self._stream_error(req, f"KV transfer failed: {exc}", exc.code)
             return
         except asyncio.CancelledError:
             self.requests.pop(req.request_id, None)

@@ -195,18 +195,10 @@ class DecodeRole(DecodeIntake):
                 request_id=victim.request_id,
                 free_blocks=self.bm.num_free_blocks,
             )
-            self.streamer.add(
-                victim.tokens_subject,
-                TokenItem(
-                    request_id=victim.request_id,
-                    index=len(victim.seq.output_token_ids),
-                    finish_reason="error",
-                    error="KV capacity exhausted while decoding",
-                    error_code="kv_capacity_exhausted",
-                ),
+            self._stream_error(
+                victim, "KV capacity exhausted while decoding", "kv_capacity_exhausted"
             )
             self._finish(victim)
-            self._publish()
             # Its blocks are free now: plan again at once. (Returning nothing would let the
             # loop clear its wake-up and sleep with runnable requests: a hang.)
             return self._plan()

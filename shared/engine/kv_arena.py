@@ -14,12 +14,11 @@ The arena owns bytes only. Which block belongs to whom is the BlockManager's bus
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
 import torch
-
-_NUMPY_DTYPES = {torch.float32: np.float32, torch.float16: np.float16}
 
 
 class KVArena:
@@ -42,10 +41,13 @@ class KVArena:
         self.block_size = block_size
         self.dtype = dtype
         shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
-        if torch.device(device).type == "cpu" and dtype in _NUMPY_DTYPES:
+        if torch.device(device).type == "cpu":
             # numpy asks the kernel for transparent huge pages on large buffers; torch's CPU
             # allocator does not, and UCX's shared-memory copy runs ~2x slower on 4 KiB pages.
-            self.tensor = torch.from_numpy(np.zeros(shape, dtype=_NUMPY_DTYPES[dtype]))
+            # Bytes from numpy, viewed as any torch dtype (bfloat16 has no numpy twin).
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            raw = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
+            self.tensor = raw.view(dtype).view(shape)
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
         self.block_nbytes = self.tensor[0].numel() * self.tensor.element_size()
