@@ -103,6 +103,32 @@ def test_burst_within_one_period_water_fills_by_headroom() -> None:
     assert {p for p, _ in pairs} == {"p1", "p2", "p3"}
 
 
+def test_decode_horizon_and_slots_come_from_each_workers_record() -> None:
+    # d2 reserves 1024 decode tokens per request (its --decode-reserve-tokens), d1 256:
+    # with 128-token prompts and max_tokens 1024, a pairing costs d1 24 of 128 blocks
+    # (+0.1875) and d2 72 (+0.5625), so d1 takes the larger share of a burst.
+    wide = [
+        record("d1", "decode"),
+        dataclasses.replace(record("d2", "decode"), decode_reserve_tokens=1024),
+    ]
+    pol = policy()
+    seed(pol)
+    pol.observe(telemetry("d2", "decode", seq=1, dpi_adm=0.0), now_mono_s=T0)
+    got = [
+        pol.choose(P, wide, prompt_tokens=128, max_tokens=1024, now_mono_s=T0)[1] for _ in range(8)
+    ]
+    assert got == ["d1", "d2", "d1", "d1", "d2", "d1", "d1", "d1"]
+    # d1 admits 2 requests at a time (its --max-num-seqs), d2 64: d1's slots fill at once.
+    narrow = [dataclasses.replace(record("d1", "decode"), max_num_seqs=2), record("d2", "decode")]
+    pol = policy()
+    seed(pol)
+    pol.observe(telemetry("d2", "decode", seq=1, dpi_adm=0.0), now_mono_s=T0)
+    got = [
+        pol.choose(P, narrow, prompt_tokens=16, max_tokens=16, now_mono_s=T0)[1] for _ in range(10)
+    ]
+    assert got == ["d1"] + ["d2"] * 9
+
+
 def test_request_size_matters() -> None:
     pol = policy()
     seed(pol)
@@ -176,7 +202,7 @@ def test_config_validation_and_make_policy() -> None:
     with pytest.raises(ValueError):
         PressureConfig(stale_after_s=0.1, telemetry_lag_s=0.2)
     with pytest.raises(ValueError):
-        PressureConfig(decode_reserve_tokens=0)
+        PressureConfig(default_max_tokens=0)
     pol = make_policy("pressure", 2.0, ttft_s=3.0)
     assert isinstance(pol, PressurePolicy)
     assert (pol.stale_after_s, pol.cfg.ttft_s) == (2.0, 3.0)

@@ -150,10 +150,10 @@ class PressureConfig:
     ``profile`` predicts T_pre (the workers' profile; None = the shipped default).
     ``ttft_s`` is the TTFT SLO requests are sent with. ``default_prompt_tokens`` and
     ``default_max_tokens`` stand in when ``choose`` is not told the request's sizes.
-    ``decode_reserve_tokens`` is the decode horizon a decode worker reserves on top of the
-    prompt (its ``--decode-reserve-tokens``); ``decode_max_seqs`` its admission slots (its
-    ``max_num_seqs``; 0 = rank on KV only). ``pending_expiry_s`` bounds how long an
-    unsettled decode pairing counts (see ``choose``). ``telemetry_lag_s``: module doc.
+    A decode worker's reservation horizon and admission slots come from its registry
+    record (``decode_reserve_tokens``, ``max_num_seqs``). ``pending_expiry_s`` bounds how
+    long an unsettled decode pairing counts (see ``choose``). ``telemetry_lag_s``: module
+    doc.
     """
 
     stale_after_s: float = 1.0
@@ -161,8 +161,6 @@ class PressureConfig:
     profile: LatencyProfile | None = None
     default_prompt_tokens: int = 1024
     default_max_tokens: int = 256
-    decode_reserve_tokens: int = 256
-    decode_max_seqs: int = 64
     pending_expiry_s: float = 60.0
     telemetry_lag_s: float = 0.005
     _t_pre: LatencyProfile = field(init=False, repr=False, compare=False)
@@ -173,20 +171,20 @@ class PressureConfig:
                 raise ValueError(f"{name} must be > 0")
         if not 0 <= self.telemetry_lag_s < self.stale_after_s:
             raise ValueError("telemetry_lag_s must be in [0, stale_after_s)")
-        for name in ("default_prompt_tokens", "default_max_tokens", "decode_reserve_tokens"):
+        for name in ("default_prompt_tokens", "default_max_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.decode_max_seqs < 0:
-            raise ValueError("decode_max_seqs must be >= 0")
         object.__setattr__(self, "_t_pre", self.profile or load_profile(""))
 
     def prefill_work_s(self, prompt_tokens: int) -> float:
         """T_pre(L) (eq. 2), never negative."""
         return max(0.0, self._t_pre.prefill_time_s(prompt_tokens))
 
-    def reserve_tokens(self, prompt_tokens: int, max_tokens: int) -> int:
-        """KV tokens a decode worker reserves at admission (DecodeRole's reservation)."""
-        return prompt_tokens + min(max_tokens, self.decode_reserve_tokens)
+
+def reserve_tokens(prompt_tokens: int, max_tokens: int, decode: WorkerRecord) -> int:
+    """KV tokens ``decode`` reserves at admission (DecodeRole's reservation: the prompt and
+    the first ``decode_reserve_tokens`` of the output)."""
+    return prompt_tokens + min(max_tokens, decode.decode_reserve_tokens)
 
 
 class _SentLedger:
@@ -267,7 +265,9 @@ class PressurePolicy:
             return None
         return entry[0]
 
-    def _key(self, role: str, wid: str, tel: WorkerTelemetry, block_size: int) -> tuple[float, ...]:
+    def _key(
+        self, role: str, wid: str, tel: WorkerTelemetry, rec: WorkerRecord
+    ) -> tuple[float, ...]:
         ledger = self._sent.get(wid)
         n = len(ledger.entries) if ledger else 0
         if role == "prefill":
@@ -275,9 +275,9 @@ class PressurePolicy:
             return (prefill_score(tel.ppi, work, self.cfg.ttft_s), float(tel.queue_len + n))
         n += self._pending_n.get(wid, 0)
         kv = (ledger.kv_tokens if ledger else 0) + self._pending_kv.get(wid, 0)
-        blocks = -(-kv // block_size)
+        blocks = -(-kv // max(1, rec.kv_block_size))
         score = decode_score(
-            tel.dpi_adm, blocks, tel.total_blocks, tel.running, n, self.cfg.decode_max_seqs
+            tel.dpi_adm, blocks, tel.total_blocks, tel.running, n, rec.max_num_seqs
         )
         return (score, float(n), float(blocks - tel.free_blocks))
 
@@ -285,12 +285,12 @@ class PressurePolicy:
         fresh = {w: t for w in ids if (t := self._fresh(w, now)) is not None}
         if not fresh:
             return self._fallback.pick(role, ids)
-        block_size = {r.worker_id: max(1, r.kv_block_size) for r in records}
+        by_id = {r.worker_id: r for r in records}
         # Fresh workers first (rank 0), by their estimated load; the stale ones after, by id.
         best: tuple[int, tuple[float, ...], str] | None = None
         for w in ids:
             tel = fresh.get(w)
-            key = (0, self._key(role, w, tel, block_size.get(w, 1)), w) if tel else (1, (), w)
+            key = (0, self._key(role, w, tel, by_id[w]), w) if tel else (1, (), w)
             if best is None or key < best:
                 best = key
         assert best is not None
@@ -332,7 +332,7 @@ class PressurePolicy:
         p = self._pick("prefill", prefill, p_ids, now)
         d = self._pick("decode", decode, d_ids, now)
         self._record(p, now, cfg.prefill_work_s(prompt), 0)
-        kv = cfg.reserve_tokens(prompt, out)
+        kv = reserve_tokens(prompt, out, next(r for r in decode if r.worker_id == d))
         if request_id is None:
             self._record(d, now, 0.0, kv)
         else:

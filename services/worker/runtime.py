@@ -227,6 +227,8 @@ class WorkerRuntime(Service):
             heartbeat_at_s=now,
             heartbeat_period_s=self.cfg.heartbeat_s,
             engine=eng.kind,
+            decode_reserve_tokens=self.cfg.decode_reserve_tokens,
+            max_num_seqs=self.cfg.max_num_seqs,
         )
 
     # ------------------------------------------------------------------ handlers

@@ -84,7 +84,8 @@ class WorkerRecord(Message):
     ``heartbeat_period_s`` its heartbeat period; watchers drop a worker whose record they
     have not seen refreshed for 3 periods. ``fingerprint`` identifies model + KV layout
     (transfers between different fingerprints are refused). ``engine`` is "torch" or
-    "emulated".
+    "emulated". ``decode_reserve_tokens`` / ``max_num_seqs``: the worker's decode admission
+    (its flags of the same names), for routers' pairing estimates.
     """
 
     TYPE_TAG = "worker_record"
@@ -104,10 +105,16 @@ class WorkerRecord(Message):
     heartbeat_at_s: float
     heartbeat_period_s: float
     engine: str = field(default="torch", metadata={"max_len": 32})
+    # Decode-side admission as this worker runs it (routers estimate what a pairing will
+    # reserve from these): decode tokens reserved beyond the prompt, and batch slots.
+    decode_reserve_tokens: int = 256
+    max_num_seqs: int = 64
 
     def check(self) -> None:
         check_nonempty(self.worker_id, "worker_id")
         if self.heartbeat_period_s <= 0:
             raise MessageError("field heartbeat_period_s: must be > 0")
+        if self.decode_reserve_tokens < 1 or self.max_num_seqs < 1:
+            raise MessageError("fields decode_reserve_tokens, max_num_seqs: must be >= 1")
         if len(self.ucx_address) > 64 * 1024:
             raise MessageError("field ucx_address: longer than 64 KiB")
