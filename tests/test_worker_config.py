@@ -51,3 +51,5 @@ def test_bad_value_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> 
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert main("decode", ["--id", "bad.id"]) == 2
     assert "worker_id" in capsys.readouterr().err
+    assert main("decode", ["--id", "d1", "--decode-reserve-tokens", "-1"]) == 2
+    assert "decode_reserve_tokens must be >= 0" in capsys.readouterr().err

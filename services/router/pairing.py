@@ -183,8 +183,9 @@ class PressureConfig:
 
 def reserve_tokens(prompt_tokens: int, max_tokens: int, decode: WorkerRecord) -> int:
     """KV tokens ``decode`` reserves at admission (DecodeRole's reservation: the prompt and
-    the first ``decode_reserve_tokens`` of the output)."""
-    return prompt_tokens + min(max_tokens, decode.decode_reserve_tokens)
+    the first ``decode_reserve_tokens`` of the output, within its context limit)."""
+    horizon = prompt_tokens + min(max_tokens, decode.decode_reserve_tokens)
+    return min(horizon, decode.max_model_len)
 
 
 class _SentLedger:

@@ -78,6 +78,8 @@ class WorkerConfig:
             raise ValueError("force_steal_ratio must be < 1 (a prefix of one token at least)")
         if self.prefill_batch_size <= 0 or self.max_num_seqs <= 0:
             raise ValueError("prefill_batch_size and max_num_seqs must be > 0")
+        if self.decode_reserve_tokens < 0:
+            raise ValueError("decode_reserve_tokens must be >= 0")
         for name in (
             "heartbeat_s",
             "telemetry_interval_s",

@@ -114,7 +114,7 @@ class WorkerRecord(Message):
         check_nonempty(self.worker_id, "worker_id")
         if self.heartbeat_period_s <= 0:
             raise MessageError("field heartbeat_period_s: must be > 0")
-        if self.decode_reserve_tokens < 1 or self.max_num_seqs < 1:
-            raise MessageError("fields decode_reserve_tokens, max_num_seqs: must be >= 1")
+        if self.decode_reserve_tokens < 0 or self.max_num_seqs < 1:
+            raise MessageError("fields decode_reserve_tokens >= 0, max_num_seqs >= 1 required")
         if len(self.ucx_address) > 64 * 1024:
             raise MessageError("field ucx_address: longer than 64 KiB")
