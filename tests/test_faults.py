@@ -35,6 +35,7 @@ from tests.support.faults import (
     sigkill,
     spawn_worker,
     summarize_errors,
+    wait_ctl_status,
     wait_healthy,
 )
 from tests.support.nats_server import NatsServer
@@ -269,6 +270,11 @@ async def test_decode_killed_mid_decode(
     await _gone(client, "d0")
     leaked = await leaked_blocks(client, ["p0", "p1", "d1"])
     await client.wait_workers(["d2"], timeout_s=30)
+    # `fluidpd ctl status` (the operator's view, through the controller) drops d0 too.
+    assert client.watcher is not None
+    alive = {r.worker_id for r in client.watcher.workers()}
+    assert "d0" not in alive and {"d1", "d2"} <= alive
+    await wait_ctl_status(cluster.nats_url, alive)
     new = await serves_new_requests(cluster.router_url, n=4)
     _check(table, "decode worker SIGKILLed mid-decode", outcomes, leaked, new)
     assert any(o.kind == "completed" for o in outcomes)  # d1's requests were not touched

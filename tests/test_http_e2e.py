@@ -1,119 +1,90 @@
-"""End to end over HTTP: real router, real workers (tiny), real nats-server, real UCX, and the
-official openai client, against `fluidpd generate` as ground truth."""
+"""End to end over HTTP: real routers, real workers (tiny), real nats-server, real UCX, and the
+official openai client, against `fluidpd generate` as ground truth — through the
+disaggregated path (prefill on P, KV over UCX, decode on D) and the single-worker path (a
+router whose short-prompt threshold sends every prompt to D alone)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
-from tests.support.nats_server import NatsServer, free_port
-from tests.support.workers import REPO, start_worker, stop_all, worker_env
+from tests.support.nats_server import NatsServer
+from tests.support.workers import (
+    cli_generate,
+    start_router,
+    start_worker,
+    stop_all,
+    wait_healthy,
+)
 
 openai = pytest.importorskip("openai")
 
 
-def _generate(prompt: str, max_tokens: int, chat: bool = False) -> dict:  # type: ignore[type-arg]
-    cmd = [
-        sys.executable,
-        "-m",
-        "services.cli.main",
-        "generate",
-        "--model",
-        "tiny",
-        "--prompt",
-        prompt,
-        "--max-tokens",
-        str(max_tokens),
-        "--json",
-        "--ignore-eos",
-    ]
-    if chat:
-        cmd.append("--chat")
-    out = subprocess.run(cmd, check=True, capture_output=True, cwd=REPO, env=worker_env())
-    return json.loads(out.stdout.decode().strip().splitlines()[-1])
+PATHS = {"disaggregated": "p0", "single": "d0"}  # path -> the worker that runs the prompt
 
 
 @pytest.fixture(scope="module")
-def router_url(
+def routers(
     nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[str]:
+) -> Iterator[dict[str, str]]:
+    """Base URLs by path: two routers over the same workers, differing only in
+    ``--short-prompt-tokens`` (0: always disaggregated; 100000: always single-worker)."""
     logs = tmp_path_factory.mktemp("http-logs")
     url = nats_server_module.url
     args = ("--model", "tiny", "--num-kv-blocks", "512", "--block-size", "4")
-    workers = [
+    procs = [
         start_worker("prefill", "p0", url, *args, log_dir=logs),
         start_worker("decode", "d0", url, *args, log_dir=logs),
     ]
-    port = free_port()
-    router = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.router",
-            "--nats",
-            url,
-            "--model",
-            "tiny",
-            "--port",
-            str(port),
-        ],
-        cwd=REPO,
-        env=worker_env(),
-        stdout=subprocess.PIPE,
-        stderr=open(logs / "router.log", "wb"),  # noqa: SIM115
-    )
     try:
-        assert router.stdout is not None
-        line = router.stdout.readline().decode()  # blocks until the router is listening
-        assert "router_ready" in line, line
-        base = f"http://127.0.0.1:{port}"
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x")
-        import time
-
-        deadline = time.monotonic() + 60
-        import urllib.request
-
-        while True:  # /health turns 200 once both workers registered
-            try:
-                with urllib.request.urlopen(f"{base}/health") as resp:
-                    if resp.status == 200:
-                        break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "cluster never became healthy"
-            time.sleep(0.1)
-        del client
-        yield base
+        bases = {}
+        for path, short in (("disaggregated", "0"), ("single", "100000")):
+            proc, bases[path] = start_router(
+                url, "tiny", "--short-prompt-tokens", short, log_dir=logs, name=f"router-{path}"
+            )
+            procs.append(proc)
+        for base in bases.values():
+            wait_healthy(base)
+        yield bases
     finally:
-        assert stop_all([router, *workers]) == [0, 0, 0]
+        assert stop_all(procs) == [0] * len(procs)
 
 
-def test_completions_match_generate(router_url: str) -> None:
-    client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="x")
-    want = _generate("Hello there, how are", 12)
+@pytest.fixture(scope="module")
+def router_url(routers: dict[str, str]) -> str:
+    return routers["disaggregated"]
+
+
+def _ran_on(response: Any) -> str:
+    """The worker that computed the prompt (the ``fluidpd_timestamps`` extension)."""
+    return str((response.model_extra or {})["fluidpd"]["prefill_worker"])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_completions_match_generate(routers: dict[str, str], path: str) -> None:
+    client = openai.OpenAI(base_url=f"{routers[path]}/v1", api_key="x")
+    want = cli_generate("tiny", "Hello there, how are", 12)
+    extra = {"ignore_eos": True, "fluidpd_timestamps": True}
     got = client.completions.create(
-        model="tiny",
-        prompt="Hello there, how are",
-        max_tokens=12,
-        temperature=0,
-        extra_body={"ignore_eos": True},
+        model="tiny", prompt="Hello there, how are", max_tokens=12, temperature=0, extra_body=extra
     )
     assert got.choices[0].text == want["text"]
     assert got.usage is not None and got.usage.completion_tokens == 12
+    assert _ran_on(got) == PATHS[path]
     stream = client.completions.create(
         model="tiny",
         prompt="Hello there, how are",
         max_tokens=12,
         temperature=0,
         stream=True,
-        extra_body={"ignore_eos": True},
+        extra_body=extra,
     )
-    assert "".join(c.choices[0].text for c in stream) == want["text"]
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == want["text"]
+    assert _ran_on(chunks[-1]) == PATHS[path]
     by_ids = client.completions.create(
         model="tiny",
         prompt=[5, 6, 7, 8],
@@ -124,26 +95,23 @@ def test_completions_match_generate(router_url: str) -> None:
     assert by_ids.choices[0].finish_reason == "length"
 
 
-def test_chat_matches_generate(router_url: str) -> None:
-    client = openai.OpenAI(base_url=f"{router_url}/v1", api_key="x")
-    want = _generate("Say something", 10, chat=True)
+@pytest.mark.parametrize("path", PATHS)
+def test_chat_matches_generate(routers: dict[str, str], path: str) -> None:
+    client = openai.OpenAI(base_url=f"{routers[path]}/v1", api_key="x")
+    want = cli_generate("tiny", "Say something", 10, chat=True)
+    messages: Any = [{"role": "user", "content": "Say something"}]
+    extra = {"ignore_eos": True, "fluidpd_timestamps": True}
     got = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "Say something"}],
-        max_tokens=10,
-        temperature=0,
-        extra_body={"ignore_eos": True},
+        model="tiny", messages=messages, max_tokens=10, temperature=0, extra_body=extra
     )
     assert got.choices[0].message.content == want["text"]
+    assert _ran_on(got) == PATHS[path]
     stream = client.chat.completions.create(
-        model="tiny",
-        messages=[{"role": "user", "content": "Say something"}],
-        max_tokens=10,
-        temperature=0,
-        stream=True,
-        extra_body={"ignore_eos": True},
+        model="tiny", messages=messages, max_tokens=10, temperature=0, stream=True, extra_body=extra
     )
-    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want["text"]
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want["text"]
+    assert _ran_on(next(c for c in reversed(chunks) if c.model_extra)) == PATHS[path]
 
 
 def test_fifty_concurrent_requests(router_url: str) -> None:

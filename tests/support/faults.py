@@ -18,6 +18,7 @@ import asyncio
 import json
 import random
 import signal
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from typing import Any
 import aiohttp
 
 from services.common.cluster import Cluster, ClusterSpec, pick_port
-from tests.support.workers import BusClient
+from tests.support.workers import REPO, BusClient, worker_env
 
 TINY_VOCAB = 356  # the tiny model's vocabulary (ids 0..3 are specials)
 FAULT_WORKER_ARGS = ("--heartbeat-s", "0.3", "--transfer-timeout-s", "2", "--block-size", "16")
@@ -218,6 +219,31 @@ async def serves_new_requests(url: str, n: int = 2, *, prompt_len: int = 64) -> 
                 *(completion(session, url, prompt(9000 + i, prompt_len), 8) for i in range(n))
             )
         )
+
+
+async def ctl_status_ids(nats_url: str) -> set[str]:
+    """The worker ids `fluidpd ctl status --json` lists (the CLI, in a subprocess)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        *("-m", "services.cli.ctl", "status", "--json", "--nats", nats_url),
+        cwd=REPO,
+        env=worker_env(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    return {row["id"] for row in json.loads(out)}
+
+
+async def wait_ctl_status(nats_url: str, want: set[str], timeout_s: float = 20.0) -> None:
+    """Poll `fluidpd ctl status` until it lists exactly ``want`` (the controller learns of a
+    dead worker from the registry within 3 heartbeat periods; there is no event to await
+    from outside its process). Raises AssertionError with the last listing on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while (got := await ctl_status_ids(nats_url)) != want:
+        assert time.monotonic() < deadline, f"ctl status lists {sorted(got)}, want {sorted(want)}"
+        await asyncio.sleep(0.2)
 
 
 async def wait_healthy(url: str, timeout_s: float = 20.0) -> None:

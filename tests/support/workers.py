@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from services.bench.bus_client import BenchBusClient
+from services.common.nats_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,6 +79,50 @@ def worker_pair(nats_url: str, log_dir: Path, *args: str) -> Iterator[str]:
         yield nats_url
     finally:
         assert stop_all(procs) == [0, 0], "workers must exit cleanly on SIGTERM"
+
+
+def start_router(
+    nats_url: str, model: str, *args: str, log_dir: Path, name: str = "router"
+) -> tuple[subprocess.Popen[bytes], str]:
+    """A router process for ``model``; returns (process, base URL) once it listens."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "services.router", "--nats", nats_url, "--model", model]
+    proc = subprocess.Popen(
+        [*cmd, "--port", str(port), *args],
+        cwd=REPO,
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=open(log_dir / f"{name}.log", "wb"),  # noqa: SIM115
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().decode()  # blocks until the router is listening
+    assert "router_ready" in line, line
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(base_url: str, timeout_s: float = 60.0) -> None:
+    """Poll ``/health`` until 200: both roles registered (no event for "the router sees the
+    registry"). Raises AssertionError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{base_url}/health") as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, f"{base_url} never became healthy"
+        time.sleep(0.1)
+
+
+def cli_generate(model: str, prompt: str, max_tokens: int, *, chat: bool = False) -> Any:
+    """``fluidpd generate --json --ignore-eos`` (greedy) in a subprocess: the ground truth."""
+    cmd = [sys.executable, "-m", "services.cli.main", "generate", "--model", model]
+    cmd += ["--prompt", prompt, "--max-tokens", str(max_tokens), "--json", "--ignore-eos"]
+    if chat:
+        cmd.append("--chat")
+    out = subprocess.run(cmd, check=True, capture_output=True, cwd=REPO, env=worker_env())
+    return json.loads(out.stdout.decode().strip().splitlines()[-1])
 
 
 class BusClient(BenchBusClient):
