@@ -12,6 +12,7 @@ from shared.policy.predictors import example_profile
 from shared.policy.pressure import (
     DecodeLoad,
     QueuedRequest,
+    admission_kv_tokens,
     decode_pressure,
     dpi_adm,
     dpi_load,
@@ -161,3 +162,10 @@ def test_dpi_adm_counts_admission_slots_when_capped() -> None:
     assert dpi_adm(DecodeLoad(1000, 100, 100, 10, admitted_requests=64, max_requests=64)) == (
         pytest.approx(1.0)
     )
+
+
+def test_admission_reserves_prompt_plus_horizon_within_context() -> None:
+    assert admission_kv_tokens(100, 50, 256, 4096) == 150  # short output: all of it
+    assert admission_kv_tokens(100, 1000, 256, 4096) == 356  # long output: the horizon
+    assert admission_kv_tokens(100, 1000, 0, 4096) == 100  # horizon 0: the prompt only
+    assert admission_kv_tokens(4000, 1000, 256, 4096) == 4096  # never past the context

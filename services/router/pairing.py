@@ -45,6 +45,7 @@ from typing import Protocol
 from shared.engine.profiles import load_profile
 from shared.messages import WorkerRecord, WorkerTelemetry
 from shared.policy.predictors import LatencyProfile
+from shared.policy.pressure import admission_kv_tokens
 
 
 class NoWorkerError(Exception):
@@ -179,13 +180,6 @@ class PressureConfig:
     def prefill_work_s(self, prompt_tokens: int) -> float:
         """T_pre(L) (eq. 2), never negative."""
         return max(0.0, self._t_pre.prefill_time_s(prompt_tokens))
-
-
-def reserve_tokens(prompt_tokens: int, max_tokens: int, decode: WorkerRecord) -> int:
-    """KV tokens ``decode`` reserves at admission (DecodeRole's reservation: the prompt and
-    the first ``decode_reserve_tokens`` of the output, within its context limit)."""
-    horizon = prompt_tokens + min(max_tokens, decode.decode_reserve_tokens)
-    return min(horizon, decode.max_model_len)
 
 
 class _SentLedger:
@@ -333,7 +327,8 @@ class PressurePolicy:
         p = self._pick("prefill", prefill, p_ids, now)
         d = self._pick("decode", decode, d_ids, now)
         self._record(p, now, cfg.prefill_work_s(prompt), 0)
-        kv = reserve_tokens(prompt, out, next(r for r in decode if r.worker_id == d))
+        rec = next(r for r in decode if r.worker_id == d)
+        kv = admission_kv_tokens(prompt, out, rec.decode_reserve_tokens, rec.max_model_len)
         if request_id is None:
             self._record(d, now, 0.0, kv)
         else:

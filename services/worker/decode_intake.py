@@ -25,6 +25,7 @@ from shared.engine.sequence import Sequence, finish_reason_after
 from shared.errors import NoFreeBlocksError
 from shared.messages import AdmitReply, AdmitRequest, MigrateRequest, PrefillRequest, TokenItem
 from shared.messages import SamplingParams as WireParams
+from shared.policy.pressure import admission_kv_tokens
 from shared.transfer.errors import TransferError
 from shared.transfer.receiver import KVReceiver
 
@@ -91,8 +92,8 @@ class DecodeIntake:
     def _blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
         """Blocks reserved at admission: the prompt plus a decode horizon. Longer outputs
         grow their table while decoding (``_ensure_room``)."""
-        total = min(
-            prompt_len + min(max_tokens, self.decode_reserve_tokens), self.engine.max_model_len
+        total = admission_kv_tokens(
+            prompt_len, max_tokens, self.decode_reserve_tokens, self.engine.max_model_len
         )
         return self.bm.blocks_for_tokens(total)
 

@@ -18,6 +18,16 @@ from shared.policy.errors import PolicyConfigError
 from shared.policy.predictors import LatencyProfile
 
 
+def admission_kv_tokens(
+    prompt_tokens: int, max_tokens: int, decode_reserve_tokens: int, max_model_len: int
+) -> int:
+    """KV tokens a decode worker reserves when it admits a request: the prompt plus the
+    first ``decode_reserve_tokens`` of the output (longer outputs grow while decoding),
+    within the context limit. The one definition: the decode worker reserves this many,
+    routers count it against the worker they pair a request with. Pure."""
+    return min(prompt_tokens + min(max_tokens, decode_reserve_tokens), max_model_len)
+
+
 @dataclass(frozen=True, slots=True)
 class QueuedRequest:
     """One request waiting on a prefill worker, as the policy sees it.
