@@ -34,6 +34,7 @@ from services.worker.admission import DecodeAdmission
 from services.worker.params import engine_params
 from services.worker.prefill_job import PrefillJob
 from services.worker.token_stream import TokenStreamer
+from shared.aio import resolve
 from shared.bus import Bus
 from shared.bus.errors import BusError
 from shared.engine.batch import StepInput
@@ -50,11 +51,6 @@ from shared.transfer.errors import TransferError
 from shared.transfer.sender import KVSender
 
 log = structlog.get_logger(__name__)
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class PrefillRole:
@@ -276,7 +272,7 @@ class PrefillRole:
 
         def run_step() -> list[int | None]:
             if started is not None:
-                loop.call_soon_threadsafe(_resolve, started)
+                loop.call_soon_threadsafe(resolve, started, None)
             result: list[int | None] = self.engine.step([step], [spec])
             return result
 

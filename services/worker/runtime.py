@@ -29,6 +29,7 @@ from services.worker.prefill_role import PrefillRole
 from services.worker.switch import RoleSwitcher
 from services.worker.telemetry import Telemetry
 from services.worker.token_stream import TokenStreamer
+from shared.aio import resolve
 from shared.bus import Bus
 from shared.bus.config import BusConfig
 from shared.bus.registry import RegistryConfig, RegistryWatcher, WorkerRegistration
@@ -305,5 +306,4 @@ class WorkerRuntime(Service):
                 except Exception:
                     log.exception("token_publish_failed", subject=subject)
             for fut in waiters:
-                if not fut.done():
-                    fut.set_result(None)
+                resolve(fut, None)

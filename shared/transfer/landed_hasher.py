@@ -20,20 +20,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shared.aio import resolve
 from shared.transfer.envelope import block_checksums
 
 POLL_S = 0.0001  # how often the thread looks for landed segments while receives are open
 
 
-def _deliver(fut: asyncio.Future[list[int]], sums: list[int]) -> None:
-    if not fut.done():
-        fut.set_result(sums)
-
-
 def _post(f: _Follow) -> None:
     """Hand ``f``'s checksums to its loop (which may be gone at process exit)."""
     with contextlib.suppress(RuntimeError):  # loop closed: nobody is waiting any more
-        f.loop.call_soon_threadsafe(_deliver, f.fut, f.sums)
+        f.loop.call_soon_threadsafe(resolve, f.fut, f.sums)
 
 
 @dataclass(eq=False)

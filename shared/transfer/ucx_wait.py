@@ -19,13 +19,10 @@ import asyncio
 import time
 from typing import Any
 
+from shared.aio import resolve
+
 SAFETY_POLL_S = 0.002  # an event-driven wait re-checks this often
 SPIN_S = 0.0002  # a hot wait looks on every loop turn this long before sleeping
-
-
-def _resolve(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 class CompletionWaiters:
@@ -42,7 +39,7 @@ class CompletionWaiters:
         for op, waiters in self._waiters.items():
             if op.completed:
                 for fut in waiters:
-                    _resolve(fut)
+                    resolve(fut, None)
 
     async def until_complete(self, op: Any, *, hot: bool, poll_s: float) -> None:
         """Return once ``op.completed`` (which the caller then checks for an error)."""
@@ -55,7 +52,7 @@ class CompletionWaiters:
             fut: asyncio.Future[None] = loop.create_future()
             waiters = self._waiters.setdefault(op, [])
             waiters.append(fut)
-            timer = loop.call_later(poll_s, _resolve, fut)
+            timer = loop.call_later(poll_s, resolve, fut, None)
             try:
                 await fut
             finally:

@@ -30,6 +30,7 @@ import aiohttp
 
 from services.common.cluster import Cluster, ClusterSpec, pick_port
 from tests.support.workers import REPO, BusClient, worker_env
+from tests.support.workers import wait_healthy as wait_router_healthy
 
 TINY_VOCAB = 356  # the tiny model's vocabulary (ids 0..3 are specials)
 FAULT_WORKER_ARGS = ("--heartbeat-s", "0.3", "--transfer-timeout-s", "2", "--block-size", "16")
@@ -247,19 +248,8 @@ async def wait_ctl_status(nats_url: str, want: set[str], timeout_s: float = 20.0
 
 
 async def wait_healthy(url: str, timeout_s: float = 20.0) -> None:
-    """Poll /health until 200 (no event exists for "the router sees the registry again")."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while True:
-            try:
-                async with session.get(f"{url}/health") as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url}/health not 200 within {timeout_s} s")
-            await asyncio.sleep(0.1)
+    """``workers.wait_healthy`` off the event loop. Raises TimeoutError."""
+    await asyncio.to_thread(wait_router_healthy, url, timeout_s)
 
 
 # --------------------------------------------------------------------------- blocks

@@ -102,7 +102,7 @@ def start_router(
 
 def wait_healthy(base_url: str, timeout_s: float = 60.0) -> None:
     """Poll ``/health`` until 200: both roles registered (no event for "the router sees the
-    registry"). Raises AssertionError after ``timeout_s``."""
+    registry"). Blocking; raises TimeoutError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -111,7 +111,8 @@ def wait_healthy(base_url: str, timeout_s: float = 60.0) -> None:
                     return
         except OSError:
             pass
-        assert time.monotonic() < deadline, f"{base_url} never became healthy"
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{base_url}/health not 200 within {timeout_s} s")
         time.sleep(0.1)
 
 
