@@ -48,6 +48,7 @@ def test_bench_serve_quick() -> None:
         "direct_ttft_ms",
         "direct_gap_ms",
         "router_ttft_ms",
+        "router_minus_floor_ttft_ms",
     ):
         for q in ("p50", "p99"):
             assert _number(out[f"{name}_{q}"]), (name, q, out)
@@ -56,8 +57,20 @@ def test_bench_serve_quick() -> None:
     assert isinstance(out["meets_ttft_goal"], bool) and isinstance(
         out["meets_per_token_goal"], bool
     )
-    # Every stream through the router and the bus delivered exactly the reference tokens.
+    # Every stream through the router, the bus and the stack floor delivered exactly the
+    # reference tokens.
     assert out["mismatched_streams"] == 0
+    assert out["floor_ttft_samples"] == out["requests"]
+    for q in ("p50", "p99"):
+        assert _number(out[f"floor_ttft_added_vs_direct_ms_{q}"])
+    # The default layout on two or more CPUs: control plane on the first, workers on the rest.
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:
+        assert out["control_cpus"] == cpus[:1] and out["worker_cpus"] == cpus[1:]
+    else:
+        assert out["control_cpus"] == [] and out["worker_cpus"] == []
     assert out["per_token_samples"] > 0 and out["bus_only_per_token_samples"] > 0
     # The baseline is the engine called directly, measured in the same run (and exact).
     assert out["direct_ttft_samples"] == out["requests"] and out["direct_per_token_samples"] > 0

@@ -53,3 +53,23 @@ def test_bad_value_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> 
     assert "worker_id" in capsys.readouterr().err
     assert main("decode", ["--id", "d1", "--decode-reserve-tokens", "-1"]) == 2
     assert "decode_reserve_tokens must be >= 0" in capsys.readouterr().err
+
+
+def test_log_level_comes_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import logging
+
+    from services.common.logging import level_from_env
+
+    monkeypatch.delenv("FLUIDPD_LOG_LEVEL", raising=False)
+    assert level_from_env() == logging.INFO
+    monkeypatch.setenv("FLUIDPD_LOG_LEVEL", "Warning")
+    assert level_from_env() == logging.WARNING
+    monkeypatch.setenv("FLUIDPD_LOG_LEVEL", "loud")
+    with pytest.raises(ValueError, match="FLUIDPD_LOG_LEVEL"):
+        level_from_env()
+    # A worker started with it says so in one line and exits 2 (before touching the bus).
+    assert main("decode", ["--id", "d1"]) == 2
+    err = capsys.readouterr().err
+    assert "FLUIDPD_LOG_LEVEL='loud'" in err and len(err.strip().splitlines()) == 1

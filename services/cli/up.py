@@ -20,6 +20,7 @@ from pathlib import Path
 
 from services.cli.up_state import remove_state, state_path, write_state
 from services.common.cluster import Cluster, ClusterSpec, ClusterStartError
+from services.common.cpus import parse_cpus
 from services.common.nats_server import NatsServerNotFoundError
 
 _ESSENTIAL = ("nats", "controller", "router")
@@ -55,6 +56,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--extra-worker-args", default="", help="appended to every worker command")
     p.add_argument("--extra-router-args", default="", help="appended to the router command")
+    p.add_argument(
+        "--control-cpus",
+        default=env("FLUIDPD_CONTROL_CPUS", ""),
+        help="pin nats-server, router and controller to these CPUs (e.g. 0 or 0-1; "
+        "default: not pinned; see docs/serve-latency.md)",
+    )
+    p.add_argument(
+        "--worker-cpus",
+        default=env("FLUIDPD_WORKER_CPUS", ""),
+        help="pin the workers to these CPUs (e.g. 2-15; default: not pinned)",
+    )
     p.add_argument("--ready-timeout-s", type=float, default=600.0)
     p.add_argument("--stop-grace-s", type=float, default=8.0)
     return p
@@ -86,6 +98,8 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         log_to_terminal=not a.log_dir,
         die_with_parent=True,
         stop_grace_s=a.stop_grace_s,
+        control_cpus=parse_cpus(a.control_cpus),
+        worker_cpus=parse_cpus(a.worker_cpus),
     )
 
 

@@ -30,6 +30,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.cpus import check_cpus
 from services.common.nats_server import READY_LINE, LocalNatsServer, free_port
 from services.common.procs import ChildProcess, LogSink, stop_all
 
@@ -49,7 +50,9 @@ class ClusterSpec:
     ``nats_url`` None starts a private nats-server. ``worker_args`` / ``router_args`` /
     ``controller_args`` are appended to the respective command lines; ``env`` is added to
     every child's environment. ``log_dir`` writes ``<name>.log`` files; ``log_to_terminal``
-    prints every line prefixed with ``[name]``.
+    prints every line prefixed with ``[name]``. ``control_cpus`` pins nats-server, the
+    router and the controller, ``worker_cpus`` the workers (services/common/cpus.py;
+    ``()``: not pinned); CPUs this process may not use raise CpuSetError (a ValueError).
     """
 
     prefill: int = 1
@@ -75,6 +78,8 @@ class ClusterSpec:
     with_router: bool = True
     die_with_parent: bool = False
     stop_grace_s: float = 8.0
+    control_cpus: tuple[int, ...] = ()
+    worker_cpus: tuple[int, ...] = ()
     python: str = field(default_factory=lambda: sys.executable)
 
     def __post_init__(self) -> None:
@@ -86,6 +91,8 @@ class ClusterSpec:
             raise ValueError("port must be in 1..65535")
         if self.stop_grace_s < 0:
             raise ValueError("stop_grace_s must be >= 0")
+        check_cpus(self.control_cpus, "control plane CPUs")
+        check_cpus(self.worker_cpus, "worker CPUs")
 
     def worker_ids(self) -> list[tuple[str, str]]:
         """(worker id, role) for every worker: p0..p{N-1}, d0..d{M-1}."""
@@ -124,7 +131,9 @@ class Cluster:
         return {c.name: c.pid for c in self.children() if c.pid is not None}
 
     # --- start --------------------------------------------------------------------------
-    def _child(self, name: str, argv: list[str], marker: str | None) -> ChildProcess:
+    def _child(
+        self, name: str, argv: list[str], marker: str | None, cpus: tuple[int, ...] = ()
+    ) -> ChildProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(self.spec.env)}
         env.setdefault("FLUIDPD_CLUSTER_SECRET", self._secret)  # one secret for all
         child = ChildProcess(
@@ -134,6 +143,7 @@ class Cluster:
             ready_marker=marker,
             sink=self.sink,
             die_with_parent=self.spec.die_with_parent,
+            cpus=cpus,
             on_event=self._event,
         )
         child.start()
@@ -144,7 +154,7 @@ class Cluster:
         server = LocalNatsServer.on_free_port(self._store_dir)
         self.nats_url = server.url
         # "Server is ready" goes to stderr, merged into the pumped stdout.
-        self.nats = self._child("nats", server.argv(), READY_LINE)
+        self.nats = self._child("nats", server.argv(), READY_LINE, self.spec.control_cpus)
         self._wait_for([self.nats], deadline_s)
 
     def start(self, nats_timeout_s: float = 20.0) -> None:
@@ -170,7 +180,7 @@ class Cluster:
             if spec.policy_config:
                 argv += ["--policy-config", spec.policy_config]
             self.controller = self._child(
-                "controller", argv + list(spec.controller_args), CONTROLLER_READY
+                "controller", argv + list(spec.controller_args), CONTROLLER_READY, spec.control_cpus
             )
         for worker_id, role in spec.worker_ids():
             self.add_worker(worker_id, role)
@@ -190,7 +200,7 @@ class Cluster:
                 *log_flags,
                 *spec.router_args,
             ]
-            self.router = self._child("router", argv, ROUTER_READY)
+            self.router = self._child("router", argv, ROUTER_READY, spec.control_cpus)
 
     def add_worker(self, worker_id: str, role: str) -> ChildProcess:
         """Spawn one worker with the spec's flags (``Cluster.start`` uses it for every
@@ -208,7 +218,9 @@ class Cluster:
             argv += ["--time-scale", str(spec.time_scale)]
         if spec.policy_config:
             argv += ["--policy-config", spec.policy_config]
-        child = self._child(worker_id, argv + list(spec.worker_args), WORKER_READY)
+        child = self._child(
+            worker_id, argv + list(spec.worker_args), WORKER_READY, spec.worker_cpus
+        )
         self.workers[worker_id] = child
         return child
 

@@ -23,6 +23,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TextIO
 
+from services.common.cpus import pin_self
+
 TAIL_LINES = 200
 _PR_SET_PDEATHSIG = 1
 
@@ -65,6 +67,20 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec (Linu
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _child_setup(die_with_parent: bool, cpus: tuple[int, ...]) -> Callable[[], None] | None:
+    """The ``preexec_fn`` for a child: parent-death signal and/or CPU pinning."""
+    pin = pin_self(cpus)
+    if not die_with_parent:
+        return pin
+
+    def setup() -> None:
+        _die_with_parent()
+        if pin is not None:
+            pin()
+
+    return setup
+
+
 class ChildProcess:
     """One child command. ``start()`` spawns it; ``stop()`` ends its whole process group."""
 
@@ -78,10 +94,12 @@ class ChildProcess:
         ready_marker: str | None = None,
         sink: LogSink | None = None,
         die_with_parent: bool = False,
+        cpus: tuple[int, ...] = (),
         on_event: threading.Event | None = None,
     ) -> None:
         """``die_with_parent``: ask Linux to SIGTERM the child when the *thread* that
         started it dies — only safe when ``start()`` runs on the main thread.
+        ``cpus``: pin the child and all its threads to these CPUs (``()``: no pinning).
         ``on_event`` is set (never cleared) whenever ready or exited changes."""
         self.name = name
         self.argv = list(argv)
@@ -90,6 +108,7 @@ class ChildProcess:
         self.ready_marker = ready_marker
         self.sink = sink or LogSink()
         self.die_with_parent = die_with_parent
+        self.cpus = cpus
         self.ready = threading.Event()
         self.exited = threading.Event()
         self._on_event = on_event
@@ -127,7 +146,7 @@ class ChildProcess:
             errors="replace",
             bufsize=1,
             start_new_session=True,  # own process group: stop() reaches grandchildren too
-            preexec_fn=_die_with_parent if self.die_with_parent else None,
+            preexec_fn=_child_setup(self.die_with_parent, self.cpus),
         )
         if self.ready_marker is None:
             self.ready.set()

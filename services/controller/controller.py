@@ -102,7 +102,7 @@ class Controller(Service):
             )
         self._loop_task = asyncio.create_task(self._decision_loop(), name="controller-policy")
         log.info(
-            "controller_ready",
+            "controller_started",
             nats=self.config.nats_url.split("@")[-1],
             auto=self.auto,
             decision_interval_s=self.config.decision_interval_s,
@@ -262,4 +262,6 @@ class Controller(Service):
 async def run_until_signalled(config: ControllerConfig, stop: asyncio.Event) -> None:
     """Run a controller until ``stop`` is set."""
     async with Controller(config):
+        # The readiness marker ``fluidpd up`` waits for: printed, so any log level shows it.
+        print("controller_ready", flush=True)
         await stop.wait()

@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
+        configure_logging(cfg.log_json, "router")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    configure_logging(cfg.log_json, "router")
     try:
         import uvloop
 

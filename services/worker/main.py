@@ -145,16 +145,18 @@ async def serve(cfg: WorkerConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with WorkerRuntime(cfg):
+        # The readiness marker ``fluidpd up`` waits for: printed, so any log level shows it.
+        print(f"worker_ready id={cfg.worker_id} role={cfg.role}", flush=True)
         await stop.wait()
 
 
 def main(role: str, argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(role, argv)
+        configure_logging(json_logs=cfg.log_json, service=f"worker:{cfg.worker_id}")
     except ValueError as exc:  # a flag or env value out of range: one line, like argparse
         print(f"python -m services.{role}_worker: error: {exc}", file=sys.stderr)
         return 2
-    configure_logging(json_logs=cfg.log_json, service=f"worker:{cfg.worker_id}")
     try:
         import uvloop
 

@@ -182,7 +182,7 @@ class WorkerRuntime(Service):
             self.bus, self.record(), RegistryConfig(heartbeat_s=cfg.heartbeat_s)
         )
         await self.registration.start()
-        log.info("worker_ready", worker_id=wid, role=self.role, **self.engine.describe())
+        log.info("worker_started", worker_id=wid, role=self.role, **self.engine.describe())
 
     async def stop(self) -> None:
         if self._stopped:

@@ -76,6 +76,13 @@ class Subjects:
     def events(self, worker_id: str) -> str:
         return f"{self.prefix}.events.{check_id(worker_id, 'worker id')}"
 
+    def bench_floor(self, kind: str) -> str:
+        """``fluidpd bench serve``'s stack-floor relay (services/bench/serve_floor.py):
+        ``requests`` (relay -> stand-in worker) and ``tokens`` (back). Raw bytes, bench only."""
+        if kind not in ("requests", "tokens"):
+            raise ValueError(f"invalid bench floor subject kind {kind!r}")
+        return f"{self.prefix}.bench.floor.{kind}"
+
     # --- controller ---------------------------------------------------------------------
     def controller_status(self) -> str:
         return f"{self.prefix}.controller.status"
