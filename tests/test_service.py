@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from services.common.nats_server import free_port
-from services.common.service import Service
+from services.common.service import Service, announce_ready
 from services.controller.config import ControllerConfig
 from services.controller.controller import Controller
 from shared.bus import BusError
@@ -49,3 +49,16 @@ async def test_controller_that_cannot_reach_nats_is_left_stopped() -> None:
         async with ctl:
             pytest.fail("started without NATS")
     await ctl.wait_closed()  # stop() ran: the controller reports itself closed
+
+
+def test_announce_ready_freezes_the_heap_then_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    import gc
+
+    gc.unfreeze()
+    try:
+        assert gc.get_freeze_count() == 0
+        announce_ready("probe_ready x=1")
+        assert gc.get_freeze_count() > 0  # every object alive now is out of the GC's reach
+        assert capsys.readouterr().out == "probe_ready x=1\n"
+    finally:
+        gc.unfreeze()

@@ -30,6 +30,7 @@ from typing import Any
 
 from services.bench.serve_samples import SEED, pct, prompt_of
 from services.common.procs import ChildProcess, LogSink, stop_all
+from services.common.service import announce_ready
 from shared.messages import Subjects
 
 READY_LINE = "bench floor ready"
@@ -180,7 +181,7 @@ async def run_relay(nats_url: str, host: str, port: int, subjects: Subjects) -> 
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
-    print(READY_LINE, flush=True)
+    announce_ready(READY_LINE)
     try:
         await asyncio.Event().wait()
     finally:
@@ -214,7 +215,7 @@ async def run_worker(nats_url: str, profile_path: str, subjects: Subjects) -> No
 
     await nc.subscribe(subjects.bench_floor("requests"), cb=on_request)
     await nc.flush()
-    print(READY_LINE, flush=True)
+    announce_ready(READY_LINE)
     try:
         await asyncio.Event().wait()
     finally:

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Self
+
+
+def announce_ready(line: str) -> None:
+    """Called by a service's ``__main__`` once it serves: move every object alive now
+    (model, tokenizer, libraries) out of the garbage collector's reach, then print the
+    readiness line ``fluidpd up`` waits for (printed, so any log level shows it).
+
+    Why freeze: they live as long as the process, and a full collection over them is a
+    pause on whatever token is in flight (~7 ms in the router with the tiny tokenizer).
+    Mutates the interpreter's GC state; only for a process's entry point.
+    """
+    gc.freeze()
+    print(line, flush=True)
 
 
 class Service:

@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 from prometheus_client import start_http_server
 
-from services.common.service import Service
+from services.common.service import Service, announce_ready
 from services.controller.config import ControllerConfig
 from services.controller.metrics import ControllerMetrics
 from services.controller.status import WorkerBook
@@ -262,6 +262,5 @@ class Controller(Service):
 async def run_until_signalled(config: ControllerConfig, stop: asyncio.Event) -> None:
     """Run a controller until ``stop`` is set."""
     async with Controller(config):
-        # The readiness marker ``fluidpd up`` waits for: printed, so any log level shows it.
-        print("controller_ready", flush=True)
+        announce_ready("controller_ready")
         await stop.wait()

@@ -12,6 +12,7 @@ import signal
 import sys
 
 from services.common.logging import configure_logging
+from services.common.service import announce_ready
 from services.router.config import PAIRING_POLICIES, RouterConfig, default_router_id
 
 
@@ -78,7 +79,7 @@ async def serve(cfg: RouterConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with Router(cfg) as router:
-        print(f"router_ready url={router.url}", flush=True)
+        announce_ready(f"router_ready url={router.url}")
         await stop.wait()
 
 

@@ -9,6 +9,7 @@ import signal
 import sys
 
 from services.common.logging import configure_logging
+from services.common.service import announce_ready
 from services.worker.config import WorkerConfig, default_worker_id
 from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
 from shared.errors import FluidPDError
@@ -145,8 +146,7 @@ async def serve(cfg: WorkerConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     async with WorkerRuntime(cfg):
-        # The readiness marker ``fluidpd up`` waits for: printed, so any log level shows it.
-        print(f"worker_ready id={cfg.worker_id} role={cfg.role}", flush=True)
+        announce_ready(f"worker_ready id={cfg.worker_id} role={cfg.role}")
         await stop.wait()
 
 
