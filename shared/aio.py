@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TypeVar
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -14,3 +15,14 @@ def resolve(fut: asyncio.Future[T], value: T) -> None:
     ``loop.call_soon_threadsafe(resolve, fut, value)``."""
     if not fut.done():
         fut.set_result(value)
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` to completion on a new uvloop event loop (what every FluidPD process
+    runs on), or on asyncio's default loop where uvloop is not installed. Returns its
+    result; its exceptions propagate."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)

@@ -49,7 +49,6 @@ processes inflate every figure on a small machine).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import multiprocessing
@@ -86,6 +85,7 @@ from services.common.cluster import Cluster, ClusterSpec, pick_port
 from services.common.cpus import CpuSetError, check_cpus, parse_cpus, split_control_workers
 from services.common.logging import configure_logging
 from services.common.procs import ChildProcess, stop_all
+from shared.aio import run
 
 
 # ------------------------------------------------------------------------- router path
@@ -225,15 +225,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def run_loop(coro: Any) -> Any:
-    """Run ``coro`` on uvloop (as the router and the workers do) when it is installed."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def _init_measuring_process(cpus: tuple[int, ...]) -> None:
     configure_logging(service="bench", level=logging.WARNING)
     if cpus:
@@ -252,7 +243,7 @@ def measure(
     """``run_all_paths`` with a direct engine of its own (runs in the measuring process)."""
     direct_engine = DirectEngine(profile_path)
     try:
-        result: tuple[Samples, Samples, Samples, Samples, int] = run_loop(
+        result: tuple[Samples, Samples, Samples, Samples, int] = run(
             run_all_paths(url, floor_url, nats_url, prompts, refs, direct_engine, a)
         )
         return result

@@ -31,6 +31,7 @@ from typing import Any
 from services.bench.serve_samples import SEED, pct, prompt_of
 from services.common.procs import ChildProcess, LogSink, stop_all
 from services.common.service import announce_ready
+from shared.aio import run
 from shared.messages import Subjects
 
 READY_LINE = "bench floor ready"
@@ -277,13 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="")
     p.add_argument("--subject-prefix", default="fluidpd")
     a = p.parse_args(argv)
-    import uvloop
-
     subjects = Subjects(a.subject_prefix)
     if a.part == "relay":
-        uvloop.run(run_relay(a.nats, a.host, a.port, subjects))
+        run(run_relay(a.nats, a.host, a.port, subjects))
     else:
-        uvloop.run(run_worker(a.nats, a.profile, subjects))
+        run(run_worker(a.nats, a.profile, subjects))
     return 0
 
 

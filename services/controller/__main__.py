@@ -13,6 +13,7 @@ import structlog
 from services.common.logging import configure_logging
 from services.controller.config import ControllerConfig
 from services.controller.controller import run_until_signalled
+from shared.aio import run
 from shared.bus import BusConnectionError
 from shared.policy.config import PolicyConfig
 from shared.policy.errors import PolicyConfigError
@@ -96,13 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         await run_until_signalled(cfg, stop)
 
     try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
-        asyncio.run(serve())
+        run(serve())
     except BusConnectionError as exc:
         structlog.get_logger("fluidpd.controller").error("controller_failed", error=str(exc))
         return 1

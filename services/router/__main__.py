@@ -14,6 +14,7 @@ import sys
 from services.common.logging import configure_logging
 from services.common.service import announce_ready
 from services.router.config import PAIRING_POLICIES, RouterConfig, default_router_id
+from shared.aio import run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,12 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    try:
-        import uvloop
-
-        uvloop.run(serve(cfg))
-    except ImportError:
-        asyncio.run(serve(cfg))
+    run(serve(cfg))
     return 0
 
 

@@ -11,6 +11,7 @@ import sys
 from services.common.logging import configure_logging
 from services.common.service import announce_ready
 from services.worker.config import WorkerConfig, default_worker_id
+from shared.aio import run
 from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
 from shared.errors import FluidPDError
 
@@ -158,13 +159,7 @@ def main(role: str, argv: list[str] | None = None) -> int:
         print(f"python -m services.{role}_worker: error: {exc}", file=sys.stderr)
         return 2
     try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    try:
-        asyncio.run(serve(cfg))
+        run(serve(cfg))
     except FluidPDError as exc:  # bad credentials, missing model file, ...: one clear line
         print(f"worker {cfg.worker_id}: {exc}", file=sys.stderr)
         return 1
