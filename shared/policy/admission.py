@@ -1,0 +1,77 @@
+"""SLO-aware admission (goodput): shed a request at the door when its predicted TTFT is
+hopeless, and drop queued work whose deadline passed long ago.
+
+Not in the paper (its SGLang baseline only aborts after 60 s); ours because at overload the
+backlog of requests that can no longer meet their TTFT is otherwise served anyway and
+poisons every later window. The router, the prefill worker and the simulator call these
+same functions. Pure; times in seconds, lengths in tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from shared.policy.errors import PolicyConfigError
+from shared.policy.predictors import LatencyProfile
+
+
+@dataclass(frozen=True, slots=True)
+class SheddingConfig:
+    """``ttft_multiple``: shed when predicted TTFT > multiple × S_TTFT (0 = never shed at the
+    door). ``expire_margin_s``: a queued prefill is dropped once its TTFT deadline has passed
+    by this much (None = never drop)."""
+
+    ttft_multiple: float = 2.0
+    expire_margin_s: float | None = 5.0
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_multiple == 0.0 or self.ttft_multiple >= 1.0) or math.isnan(
+            self.ttft_multiple
+        ):
+            raise PolicyConfigError("SheddingConfig: ttft_multiple must be 0 (off) or >= 1")
+        if self.expire_margin_s is not None and not self.expire_margin_s >= 0.0:
+            raise PolicyConfigError("SheddingConfig: expire_margin_s must be >= 0 or None")
+
+    @property
+    def sheds(self) -> bool:
+        return self.ttft_multiple > 0.0
+
+
+def queue_work_s(
+    queued_prompt_tokens: Iterable[int],
+    profile: LatencyProfile,
+    *,
+    running_remaining_s: float = 0.0,
+) -> float:
+    """Predicted seconds of prefill work ahead of a newcomer: Σ T_pre(L_k) over the queue
+    (eq. 2, the numerator of eq. 3) plus what remains of the running prefill."""
+    c1, c0 = profile.prefill_c1_s_per_token, profile.prefill_c0_s
+    total = running_remaining_s
+    for tokens in queued_prompt_tokens:
+        total += c1 * tokens + c0
+    return total
+
+
+def predicted_ttft_s(queue_ahead_s: float, prompt_tokens: int, profile: LatencyProfile) -> float:
+    """TTFT a newcomer would see on a prefill worker: the work queued ahead of it plus its
+    own T_pre(L) (eq. 2)."""
+    return queue_ahead_s + profile.prefill_time_s(prompt_tokens)
+
+
+def should_shed(predicted_s: float, ttft_slo_s: float, cfg: SheddingConfig) -> bool:
+    """True when the request should be rejected before anything is computed for it."""
+    return cfg.sheds and predicted_s > cfg.ttft_multiple * ttft_slo_s
+
+
+def retry_after_s(predicted_s: float, ttft_slo_s: float, cfg: SheddingConfig) -> int:
+    """Whole seconds (>= 1) after which the queue ahead should have drained below the
+    shedding threshold: the value of an HTTP ``Retry-After`` header."""
+    excess_s = predicted_s - cfg.ttft_multiple * ttft_slo_s
+    return max(1, math.ceil(excess_s))
+
+
+def is_expired(deadline_s: float, now_s: float, cfg: SheddingConfig) -> bool:
+    """True when queued work whose TTFT deadline is ``deadline_s`` should be dropped."""
+    return cfg.expire_margin_s is not None and now_s > deadline_s + cfg.expire_margin_s
