@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--submit-timeout-s", type=float, default=float(env("FLUIDPD_SUBMIT_TIMEOUT_S", "5"))
     )
+    p.add_argument(
+        "--shed-ttft-multiple",
+        type=float,
+        default=float(env("FLUIDPD_SHED_TTFT_MULTIPLE", "2")),
+        help="503 + Retry-After when the predicted TTFT exceeds this multiple of the "
+        "TTFT SLO (0: never shed)",
+    )
     p.add_argument("--log-json", action="store_true", default=env("FLUIDPD_LOG_JSON") == "1")
     return p
 
@@ -67,6 +74,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         ttft_slo_ms=args.ttft_slo_ms,
         request_timeout_s=args.request_timeout_s,
         submit_timeout_s=args.submit_timeout_s,
+        shed_ttft_multiple=args.shed_ttft_multiple,
         log_json=args.log_json,
     )
 
@@ -85,8 +93,8 @@ async def serve(cfg: RouterConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         cfg = config_from_args(args)
         configure_logging(cfg.log_json, "router")
     except ValueError as exc:

@@ -19,6 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from services.common.service import Service
+from services.router.admission import AdmissionGate
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError, BadRequest, error_body, error_type_for
@@ -30,6 +31,7 @@ from shared.bus import Bus, BusConfig
 from shared.bus.registry import RegistryWatcher
 from shared.errors import FluidPDError
 from shared.messages import Subjects, TokenBatch, WorkerRecord, WorkerTelemetry
+from shared.policy.admission import SheddingConfig
 from shared.tokenizer import Tokenizer
 from shared.tokenizer.models import load_tokenizer
 
@@ -68,6 +70,14 @@ class Router(Service):
         self.policy = make_policy(
             cfg.pairing, cfg.telemetry_stale_s, ttft_s=cfg.ttft_slo_ms / 1000.0
         )
+        self.gate: AdmissionGate | None = None
+        if cfg.shed_ttft_multiple > 0:
+            self.gate = AdmissionGate(
+                SheddingConfig(ttft_multiple=cfg.shed_ttft_multiple, expire_margin_s=None),
+                cfg.ttft_slo_ms / 1000.0,
+                lambda: [r.worker_id for r in self.active_workers("prefill")],
+                stale_after_s=cfg.telemetry_stale_s,
+            )
         self.bus: Bus | None = None
         self.watcher: RegistryWatcher | None = None
         self.dispatcher: Dispatcher | None = None
@@ -108,17 +118,28 @@ class Router(Service):
             on_gap=self.dispatcher.on_stream_gap,
         )
         self.bus.add_reconnect_listener(self.dispatcher.on_bus_reconnected)
+        observers: list[Callable[[WorkerTelemetry], None]] = []
         if isinstance(self.policy, PressurePolicy):
-            policy = self.policy
+            observers.append(self.policy.observe)
+        if self.gate is not None:
+            observers.append(self.gate.observe)
+        if observers:
 
             async def on_telemetry(msg: WorkerTelemetry) -> None:
-                policy.observe(msg)
+                for observe in observers:
+                    observe(msg)
 
             await self.bus.subscribe_stream(
                 self.subjects.telemetry_all(), WorkerTelemetry, on_telemetry
             )
         self.generation = GenerationHandler(
-            self.dispatcher, self.tokenizer, cfg.model_name, self.metrics, cfg.request_timeout_s
+            self.dispatcher,
+            self.tokenizer,
+            cfg.model_name,
+            self.metrics,
+            cfg.request_timeout_s,
+            gate=self.gate,
+            short_prompt_tokens=cfg.short_prompt_tokens,
         )
         self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()

@@ -44,6 +44,9 @@ class RouterConfig:
     submit_timeout_s: float = 5.0
     registry_timeout_s: float = 10.0
     telemetry_stale_s: float = 1.0
+    # Shed (503 + Retry-After) when the predicted TTFT exceeds this multiple of the TTFT SLO
+    # (services/router/admission.py); 0 turns shedding off.
+    shed_ttft_multiple: float = 2.0
     log_json: bool = False
 
     def __post_init__(self) -> None:
@@ -57,6 +60,10 @@ class RouterConfig:
             raise ValueError(f"pairing must be one of {PAIRING_POLICIES}, got {self.pairing!r}")
         if self.short_prompt_tokens < 0:
             raise ValueError("short_prompt_tokens must be >= 0")
+        if not (self.shed_ttft_multiple == 0.0 or self.shed_ttft_multiple >= 1.0):
+            raise ValueError(
+                f"shed_ttft_multiple must be 0 (off) or >= 1, got {self.shed_ttft_multiple}"
+            )
         if bool(self.nats_user) != bool(self.nats_password):
             raise ValueError("nats_user and nats_password go together")
         for name in (

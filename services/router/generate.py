@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from services.router.admission import AdmissionGate
 from services.router.dispatch import Dispatcher, InFlight
 from services.router.errors import ApiError, error_body, error_type_for
 from services.router.metrics import RouterMetrics
@@ -43,6 +44,8 @@ def end_to_error(end: StreamEnd) -> ApiError:
             "router_stopping",
             "stream_gap",
             "bus_reconnected",
+            "deadline_expired",
+            "decode_wait_timeout",
         )
         else None
     )
@@ -89,7 +92,12 @@ class GenerationHandler:
         model_name: str,
         metrics: RouterMetrics,
         request_timeout_s: float,
+        *,
+        gate: AdmissionGate | None = None,
+        short_prompt_tokens: int = 0,
     ) -> None:
+        self.gate = gate
+        self.short_prompt_tokens = short_prompt_tokens
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -166,8 +174,17 @@ class GenerationHandler:
     async def run(
         self, request: web.Request, req: GenerationRequest, max_tokens: int
     ) -> web.StreamResponse:
-        """Serve ``req``. Raises ApiError (before any byte is sent) on failure."""
+        """Serve ``req``. Raises ApiError (before any byte is sent) on failure: also
+        Overloaded (503 + Retry-After) when the admission gate sheds it."""
+        prompt_len = len(req.prompt_token_ids)
+        gated = self.gate is not None and prompt_len > self.short_prompt_tokens
+        if gated:
+            assert self.gate is not None
+            self.gate.check(prompt_len)  # before anything is sent or computed
         entry = await self.dispatcher.submit(req, max_tokens)
+        if gated:
+            assert self.gate is not None
+            self.gate.note_sent(entry.prefill_id, prompt_len)
         self.metrics.in_flight.inc()
         self.metrics.prompt_tokens_total.inc(entry.prompt_len)
         text = TextAssembler(self.tokenizer, req)
@@ -230,6 +247,11 @@ class GenerationHandler:
     async def _stream(
         self, request: web.Request, req: GenerationRequest, entry: InFlight, text: TextAssembler
     ) -> web.StreamResponse:
+        # The 200 and its headers wait for the first token (or the end): a request that
+        # ends before it (dropped past its deadline, no worker) still gets a plain 503.
+        pieces, end = await self._collect(entry, text)
+        if end is not None and end.failed and not text.num_tokens:
+            raise end_to_error(end)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -244,8 +266,11 @@ class GenerationHandler:
             await send(
                 {**base, "choices": [self._choice(req, "", None, True, first=True)], **usage_null}
             )
+        first = True
         while True:
-            pieces, end = await self._collect(entry, text)
+            if not first:
+                pieces, end = await self._collect(entry, text)
+            first = False
             delta = "".join(pieces)
             if end is not None and end.failed:
                 if delta:

@@ -1,10 +1,14 @@
 """Decode admission, seen from the prefill side: ask the request's decode worker to reserve
 its KV blocks (``AdmitRequest`` → ``AdmitReply`` with a sealed transfer ticket).
 
-Retried after the decode worker's ``retry_after_ms`` (its backpressure), re-paired with
-another decode worker when the paired one stopped decoding (``retry_after_ms == 0``), and
-given up at the request's deadline. Every way of giving up reports the request's end to
-the router through ``fail`` (request error item) and returns None.
+A decode worker without capacity now (batch slots or KV) answers ``retry_after_ms``: the
+request then **waits** (its prefill KV stays here) and is retried after that backpressure,
+or re-paired with another Active decode worker whose telemetry shows room for it
+(``find_capacity``), until it is admitted, cancelled, or ``decode_wait_s`` has passed since
+it began waiting (then it ends with a clear ``decode_wait_timeout`` error). A decode worker
+that stopped decoding answers ``retry_after_ms == 0``: the request is re-paired. Every way of
+giving up reports the request's end to the router through ``fail`` (request error item) and
+returns None.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class DecodeAdmission:
         subjects: Subjects,
         *,
         timeout_s: float,
+        decode_wait_s: float,
         fail: Fail,
         observe_stage: Callable[[str, float], None],
     ) -> None:
@@ -40,10 +45,17 @@ class DecodeAdmission:
         self.bus = bus
         self.subjects = subjects
         self.timeout_s = timeout_s
+        self.decode_wait_s = decode_wait_s
         self._fail = fail
         self._observe_stage = observe_stage
         # Re-pairing: an Active decode worker to use instead of the given one (or None).
         self.repair: Callable[[str], str | None] | None = None
+        # An Active decode worker other than the given one with room for the job now.
+        self.find_capacity: Callable[[str, PrefillJob], str | None] | None = None
+        # Requests refused for capacity and waiting for it here (telemetry counts them).
+        self.waiting: set[str] = set()
+        self.wait_timeouts_total = 0
+        self.repaired_for_capacity_total = 0
 
     async def admit_after(
         self, started: asyncio.Future[None], job: PrefillJob
@@ -54,19 +66,23 @@ class DecodeAdmission:
         await started
         return await self.admit(job, 0)
 
-    async def admit(self, job: PrefillJob, suffix_len: int) -> AdmitReply | None:
+    async def admit(
+        self, job: PrefillJob, suffix_len: int, *, wait: bool = True
+    ) -> AdmitReply | None:
         """Reserve at the job's decode worker (``suffix_len`` > 0 proposes a FluidToken
         split). Returns the ok reply, or None once the job failed (reported) or was
-        cancelled. May change ``job.msg.decode_worker_id`` (re-pairing)."""
+        cancelled. With ``wait`` False a capacity refusal is returned as it is (ok False)
+        instead of waiting. May change ``job.msg.decode_worker_id`` (re-pairing)."""
         started = time.perf_counter()
         job.timestamps["admit_sent_s"] = time.time()
         try:
-            return await self._request(job, suffix_len)
+            return await self._request(job, suffix_len, wait)
         finally:
+            self.waiting.discard(job.request_id)
             job.timestamps["admitted_s"] = time.time()
             self._observe_stage("decode_admission", time.perf_counter() - started)
 
-    async def _request(self, job: PrefillJob, suffix_len: int) -> AdmitReply | None:
+    async def _request(self, job: PrefillJob, suffix_len: int, wait: bool) -> AdmitReply | None:
         msg = job.msg
         req = AdmitRequest(
             request_id=msg.request_id,
@@ -83,9 +99,7 @@ class DecodeAdmission:
             else (),
         )
         subject = self.subjects.worker_admit(msg.decode_worker_id)
-        # Anchored on the request's arrival: a request keeps waiting for decode capacity at
-        # most until its TTFT deadline (or timeout_s after it arrived, if later).
-        give_up_s = max(job.received_s + self.timeout_s, job.deadline_s)
+        waiting_since: float | None = None
         while not job.cancelled:
             try:
                 reply = await self.bus.request(subject, req, AdmitReply, self.timeout_s)
@@ -99,18 +113,41 @@ class DecodeAdmission:
                 return None
             if reply.ok:
                 return reply
-            if reply.retry_after_ms == 0 and self.repair is not None:
-                # The paired worker is draining or switched roles: pair with another one.
-                other = self.repair(msg.decode_worker_id)
-                if other is not None:
-                    msg = dataclasses.replace(msg, decode_worker_id=other)
-                    job.msg = msg
-                    subject = self.subjects.worker_admit(other)
-                    continue
-            if reply.retry_after_ms is None or time.monotonic() > give_up_s:
+            other: str | None = None
+            if reply.retry_after_ms is None:  # it can never take this request
                 self._fail(
                     job, f"decode worker has no capacity: {reply.error}", "kv_capacity_exhausted"
                 )
                 return None
-            await asyncio.sleep(reply.retry_after_ms / 1000)  # its backpressure, not a sync
+            if reply.retry_after_ms == 0 and self.repair is not None:
+                # The paired worker is draining or switched roles: pair with another one.
+                other = self.repair(msg.decode_worker_id)
+            if other is None:
+                if not wait:
+                    return reply
+                now = time.monotonic()
+                if waiting_since is None:
+                    waiting_since = now
+                    self.waiting.add(job.request_id)
+                if now - waiting_since > self.decode_wait_s:
+                    self.wait_timeouts_total += 1
+                    self._fail(
+                        job,
+                        f"no decode capacity within the decode-wait timeout of "
+                        f"{self.decode_wait_s:g} s ({reply.error})",
+                        "decode_wait_timeout",
+                    )
+                    return None
+                if self.find_capacity is not None:
+                    other = self.find_capacity(msg.decode_worker_id, job)
+                    if other is not None:
+                        self.repaired_for_capacity_total += 1
+            if other is not None:
+                msg = dataclasses.replace(msg, decode_worker_id=other)
+                job.msg = msg
+                subject = self.subjects.worker_admit(other)
+                continue
+            # Its backpressure, not a synchronisation (a floor: 0 means "re-pair", and
+            # there was no other worker to re-pair with yet).
+            await asyncio.sleep(max(reply.retry_after_ms, 20) / 1000)
         return None

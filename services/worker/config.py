@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -50,6 +51,11 @@ class WorkerConfig:
     telemetry_interval_s: float = 0.02
     transfer_timeout_s: float = 10.0
     admit_timeout_s: float = 5.0
+    # An accepted request waits this long for decode capacity (its KV held on the prefill
+    # worker) before it ends with a clear decode_wait_timeout error.
+    decode_wait_timeout_s: float = 60.0
+    # A queued prefill is dropped once its TTFT deadline passed by this much (< 0: never).
+    expire_margin_s: float = 10.0
     request_timeout_s: float = 600.0
     ttft_slo_ms: float = 2000.0
     tpot_slo_ms: float = 100.0
@@ -78,6 +84,8 @@ class WorkerConfig:
             raise ValueError("force_steal_ratio must be < 1 (a prefix of one token at least)")
         if self.prefill_batch_size <= 0 or self.max_num_seqs <= 0:
             raise ValueError("prefill_batch_size and max_num_seqs must be > 0")
+        if math.isnan(self.expire_margin_s) or math.isinf(self.expire_margin_s):
+            raise ValueError("expire_margin_s must be a finite number of seconds (< 0: off)")
         if self.decode_reserve_tokens < 0:
             raise ValueError("decode_reserve_tokens must be >= 0")
         for name in (
@@ -85,6 +93,7 @@ class WorkerConfig:
             "telemetry_interval_s",
             "transfer_timeout_s",
             "admit_timeout_s",
+            "decode_wait_timeout_s",
             "request_timeout_s",
             "ttft_slo_ms",
             "tpot_slo_ms",
@@ -92,6 +101,11 @@ class WorkerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+
+    @property
+    def expire_margin(self) -> float | None:
+        """The expiry margin in seconds, None when expiry is off."""
+        return None if self.expire_margin_s < 0 else self.expire_margin_s
 
     @property
     def secret_bytes(self) -> bytes:

@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 
+from services.worker.decode_waiting import WaitingAdmissions
 from services.worker.params import engine_params
 from services.worker.token_stream import TokenStreamer
 from shared.engine.sequence import Sequence, finish_reason_after
@@ -62,6 +63,7 @@ class DecodeIntake:
     decode_reserve_tokens: int
     _suffix_budget: Callable[[str, int, bool], int] | None
     requests: dict[str, DecodeRequest]
+    waiting: WaitingAdmissions
     runnable: list[DecodeRequest]
     _cancelled: dict[str, None]
     wakeup: asyncio.Event
@@ -150,6 +152,9 @@ class DecodeIntake:
         if msg.request_id in self._cancelled:
             return AdmitReply(ok=False, error=f"request {msg.request_id} was cancelled")
         if len(self.requests) >= self.max_num_seqs:
+            # The prefill worker keeps the request waiting (its KV held there) and retries:
+            # count it, so that DPI_adm and telemetry show the demand we refused.
+            self._note_waiting(msg)
             return AdmitReply(ok=False, error="decode batch is full", retry_after_ms=20)
         suffix_len = msg.suffix_len
         if suffix_len and self._suffix_budget is not None:
@@ -168,10 +173,20 @@ class DecodeIntake:
             msg.tokens_subject,
         )
         if req is None:
-            return refusal  # type: ignore[return-value]
+            assert refusal is not None
+            if refusal.retry_after_ms:
+                self._note_waiting(msg)
+            return refusal
+        self.waiting.drop(msg.request_id)
         if suffix_len:
             req.suffix_token_ids = tuple(msg.suffix_token_ids)
         return self._start_receive(req, suffix_len)
+
+    def _note_waiting(self, msg: AdmitRequest) -> None:
+        kv = admission_kv_tokens(
+            msg.prompt_len, msg.max_tokens, self.decode_reserve_tokens, self.engine.max_model_len
+        )
+        self.waiting.note(msg.request_id, kv, time.monotonic())
 
     def _release_unstarted(self, req: DecodeRequest) -> None:
         """A receive task cancelled before its first step (admit and cancel both queued

@@ -29,6 +29,7 @@ from typing import Any
 import structlog
 
 from services.worker.decode_intake import DecodeIntake, DecodeRequest
+from services.worker.decode_waiting import WaitingAdmissions
 from services.worker.token_stream import TokenStreamer
 from shared.engine.batch import StepInput
 from shared.engine.engine import SampleSpec
@@ -84,6 +85,7 @@ class DecodeRole(DecodeIntake):
         self.admitting = True
         self.stolen_tokens_total = 0
         self.refused_steals_total = 0
+        self.waiting = WaitingAdmissions()  # refused admits their prefill workers retry
         self.migrations_in_total = 0
         self.migrations_out_total = 0
         self.iterations_total = 0
@@ -124,6 +126,7 @@ class DecodeRole(DecodeIntake):
     # --------------------------------------------------------------------- cancel
     def cancel(self, request_id: str) -> bool:
         """Stop ``request_id`` and free its blocks (after the running step, if in one)."""
+        self.waiting.drop(request_id)
         req = self.requests.get(request_id)
         if req is None:
             # Cancel and admit travel on different subjects, so a cancel can overtake the

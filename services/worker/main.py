@@ -69,6 +69,18 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         "--transfer-timeout-s", type=float, default=float(env("FLUIDPD_TRANSFER_TIMEOUT_S", "10"))
     )
     p.add_argument(
+        "--decode-wait-timeout-s",
+        type=float,
+        default=float(env("FLUIDPD_DECODE_WAIT_TIMEOUT_S", "60")),
+        help="how long an accepted request waits for decode capacity before a clear error",
+    )
+    p.add_argument(
+        "--expire-margin-s",
+        type=float,
+        default=float(env("FLUIDPD_EXPIRE_MARGIN_S", "10")),
+        help="drop queued prefills whose TTFT deadline passed by this much (< 0: never)",
+    )
+    p.add_argument(
         "--no-fluidtoken", action="store_true", default=env("FLUIDPD_FLUIDTOKEN", "1") == "0"
     )
     p.add_argument(
@@ -123,6 +135,8 @@ def config_from_args(role: str, argv: list[str] | None) -> WorkerConfig:
         heartbeat_s=a.heartbeat_s,
         telemetry_interval_s=a.telemetry_interval_s,
         transfer_timeout_s=a.transfer_timeout_s,
+        decode_wait_timeout_s=a.decode_wait_timeout_s,
+        expire_margin_s=a.expire_margin_s,
         fluidtoken=not a.no_fluidtoken,
         migrate=not a.no_migrate,
         migrate_min_remaining_s=a.migrate_min_remaining_s,

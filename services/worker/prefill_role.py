@@ -41,11 +41,13 @@ from shared.engine.batch import StepInput
 from shared.engine.engine import SampleSpec
 from shared.errors import FluidPDError
 from shared.messages import (
+    AdmitReply,
     CancelRequest,
     PrefillRequest,
     Subjects,
     TokenItem,
 )
+from shared.policy.admission import SheddingConfig, is_expired
 from shared.transfer.envelope import TransferTicket
 from shared.transfer.errors import TransferError
 from shared.transfer.sender import KVSender
@@ -71,6 +73,8 @@ class PrefillRole:
         secret: bytes,
         admit_timeout_s: float,
         transfer_timeout_s: float,
+        decode_wait_s: float = 60.0,
+        expire_margin_s: float | None = None,
         split_planner: Callable[[list[PrefillJob], float], dict[str, int]] | None = None,
     ) -> None:
         self.worker_id = worker_id
@@ -89,11 +93,15 @@ class PrefillRole:
             bus,
             subjects,
             timeout_s=admit_timeout_s,
+            decode_wait_s=decode_wait_s,
             fail=self._fail,
             # Looked up per call: the runtime installs the observer after construction.
             observe_stage=lambda stage, s: self.observe_stage(stage, s),
         )
         self.transfer_timeout_s = transfer_timeout_s
+        # Queued work whose TTFT deadline passed by this margin is dropped (None: never).
+        self.shedding = SheddingConfig(ttft_multiple=0.0, expire_margin_s=expire_margin_s)
+        self.expired_total = 0
         self.split_planner = split_planner
         self.queue: deque[PrefillJob] = deque()
         self.jobs: dict[str, PrefillJob] = {}
@@ -144,10 +152,32 @@ class PrefillRole:
         self.progress.set()
         return jobs
 
+    def drop_expired(self, now_s: float) -> int:
+        """Drop the queued (not started) jobs whose TTFT deadline passed by the expiry
+        margin, ending each with a ``deadline_expired`` error to the router. A queued job
+        holds no blocks and no decode reservation yet, so nothing else is freed. Returns
+        how many were dropped."""
+        expired = [j for j in self.queue if is_expired(j.deadline_s, now_s, self.shedding)]
+        for job in expired:
+            self.queue.remove(job)
+            self.expired_total += 1
+            late_s = now_s - job.deadline_s
+            log.info("prefill_expired", request_id=job.request_id, late_s=round(late_s, 3))
+            self._fail(
+                job,
+                f"dropped from the prefill queue: its TTFT deadline passed {late_s:.1f} s ago "
+                "(overloaded; retry later)",
+                "deadline_expired",
+            )
+        if expired:
+            self.progress.set()
+        return len(expired)
+
     # -------------------------------------------------------------------- loop
     async def run(self) -> None:
         while True:
             await self.wakeup.wait()
+            self.drop_expired(time.monotonic())
             if not self.queue:
                 self.wakeup.clear()
                 continue
@@ -183,52 +213,94 @@ class PrefillRole:
             suffix_len = min(plan.get(job.request_id, 0), job.prompt_len - 1)
         if suffix_len:
             # A proposed split: the decode worker may refuse the steal, which changes what
-            # we compute, so its answer comes first.
-            admit = await self.admission.admit(job, suffix_len)
+            # we compute, so its answer comes first. A decode worker without capacity now
+            # is not waited for here (that would stall this queue): the prompt runs
+            # unsplit and waits for decode capacity with its KV held (below).
+            admit = await self.admission.admit(
+                job, suffix_len, wait=msg.force_steal_ratio is not None
+            )
             if admit is None or job.cancelled:
-                if admit is not None:
+                if admit is not None and admit.ok:
                     await self._cancel_remote(job)
                 return
-            suffix_len = admit.suffix_len
-            prefix_len = job.prompt_len - suffix_len
-            try:
-                seq_id = self._allocate(job, prefix_len)
-            except BaseException:
-                await self._cancel_remote(job)  # free the reservation at once
-                raise
-            first = await self._compute(job, seq_id, prefix_len, sample=suffix_len == 0)
-            if job.cancelled:
-                await self._abandon(job, seq_id)
+            if admit.ok:
+                await self._serve_split(job, admit)
                 return
-            await self._stream_first(job, first)  # None (D samples it) unless it refused the steal
-        else:
-            # Unsplit: the decode worker reserves while we compute, so the admission round
-            # trip is off the TTFT path. The export still starts only after the reservation.
-            prefix_len = job.prompt_len
+        await self._serve_unsplit(job)
+
+    async def _serve_split(self, job: PrefillJob, admit: AdmitReply) -> None:
+        suffix_len = admit.suffix_len
+        prefix_len = job.prompt_len - suffix_len
+        try:
             seq_id = self._allocate(job, prefix_len)
-            started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            admitting = asyncio.ensure_future(self.admission.admit_after(started, job))
-            try:
-                first = await self._compute(job, seq_id, prefix_len, sample=True, started=started)
-            except BaseException:
-                admitting.cancel()
-                await self._cancel_remote(job)  # frees a reservation the admit may have made
-                raise
-            if job.cancelled:
-                admitting.cancel()
-                await self._abandon(job, seq_id)
-                return
-            await self._stream_first(job, first)
-            try:
-                admit = await admitting
-            except BaseException:
-                self.bm.free_sequence(seq_id)
-                raise
-            if admit is None or job.cancelled:  # a failed admit already told the router
-                self.bm.free_sequence(seq_id)
-                if admit is not None:
-                    await self._cancel_remote(job)
-                return
+        except BaseException:
+            await self._cancel_remote(job)  # free the reservation at once
+            raise
+        first = await self._compute(job, seq_id, prefix_len, sample=suffix_len == 0)
+        if job.cancelled:
+            await self._abandon(job, seq_id)
+            return
+        await self._stream_first(job, first)  # None (D samples it) unless it refused the steal
+        await self._start_export(job, admit, seq_id, prefix_len, first)
+
+    async def _serve_unsplit(self, job: PrefillJob) -> None:
+        """The decode worker reserves while we compute, so the admission round trip is off
+        the TTFT path. The export starts only after the reservation: until then (a decode
+        worker without capacity) the request waits in the background with its KV held
+        here, and the next prefill starts meanwhile."""
+        prefix_len = job.prompt_len
+        seq_id = self._allocate(job, prefix_len)
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        admitting = asyncio.ensure_future(self.admission.admit_after(started, job))
+        try:
+            first = await self._compute(job, seq_id, prefix_len, sample=True, started=started)
+        except BaseException:
+            admitting.cancel()
+            await self._cancel_remote(job)  # frees a reservation the admit may have made
+            raise
+        if job.cancelled:
+            admitting.cancel()
+            await self._abandon(job, seq_id)
+            return
+        await self._stream_first(job, first)
+        if admitting.done():
+            await self._admitted(job, admitting, seq_id, prefix_len, first)
+            return
+        task = asyncio.ensure_future(self._admitted(job, admitting, seq_id, prefix_len, first))
+        self.exports.add(task)  # holds our blocks: the loop waits on it when short of them
+        task.add_done_callback(self._export_done)
+
+    async def _admitted(
+        self,
+        job: PrefillJob,
+        admitting: asyncio.Future[AdmitReply | None],
+        seq_id: str,
+        prefix_len: int,
+        first: int | None,
+    ) -> None:
+        """Wait for the decode reservation, then export (or free everything)."""
+        try:
+            admit = await admitting
+        except BaseException:
+            self._free_local(seq_id)
+            self.jobs.pop(job.request_id, None)
+            raise
+        if admit is None or job.cancelled:  # a failed admit already told the router
+            self._free_local(seq_id)
+            self.jobs.pop(job.request_id, None)
+            if admit is not None:
+                await self._cancel_remote(job)
+            return
+        try:
+            await self._start_export(job, admit, seq_id, prefix_len, first)
+        except Exception as exc:  # in the background: end the request clearly
+            log.exception("prefill_failed", request_id=job.request_id)
+            self._fail(job, f"prefill failed: {type(exc).__name__}: {exc}", "internal_error")
+
+    async def _start_export(
+        self, job: PrefillJob, admit: AdmitReply, seq_id: str, prefix_len: int, first: Any
+    ) -> None:
+        suffix_len = job.prompt_len - prefix_len
         if suffix_len:
             self.split_requests_total += 1
             self.handed_off_tokens_total += suffix_len
@@ -241,6 +313,10 @@ class PrefillRole:
         task = asyncio.ensure_future(self._export(job, ticket, seq_id, meta))
         self.exports.add(task)
         task.add_done_callback(self._export_done)
+
+    def _free_local(self, seq_id: str) -> None:
+        if self.bm.has_sequence(seq_id):
+            self.bm.free_sequence(seq_id)
 
     def _export_done(self, task: asyncio.Task[None]) -> None:
         self.exports.discard(task)
@@ -342,7 +418,7 @@ class PrefillRole:
 
     async def _abandon(self, job: PrefillJob, seq_id: str) -> None:
         """Free the prompt's local blocks and tell the decode side to drop its part."""
-        self.bm.free_sequence(seq_id)
+        self._free_local(seq_id)
         await self._cancel_remote(job)
 
     async def _cancel_remote(self, job: PrefillJob) -> None:

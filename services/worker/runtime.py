@@ -22,9 +22,11 @@ from prometheus_client import CollectorRegistry
 
 from services.common.service import Service
 from services.worker.config import WorkerConfig
+from services.worker.decode_choice import pick_with_capacity
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_factory import build_engine, fingerprint_of
 from services.worker.metrics import WorkerMetrics, start_metrics_server
+from services.worker.prefill_job import PrefillJob
 from services.worker.prefill_role import PrefillRole
 from services.worker.switch import RoleSwitcher
 from services.worker.telemetry import Telemetry
@@ -136,6 +138,8 @@ class WorkerRuntime(Service):
             secret=secret,
             admit_timeout_s=cfg.admit_timeout_s,
             transfer_timeout_s=cfg.transfer_timeout_s,
+            decode_wait_s=cfg.decode_wait_timeout_s,
+            expire_margin_s=cfg.expire_margin,
         )
         self.metrics = WorkerMetrics(self.metrics_registry, cfg.worker_id)
         self.telemetry = Telemetry(self)
@@ -161,6 +165,7 @@ class WorkerRuntime(Service):
             s.worker_cancel(wid), CancelRequest, self._on_cancel, max_concurrency=64
         )
         self.prefill.admission.repair = self.pick_decode_worker
+        self.prefill.admission.find_capacity = self.decode_with_capacity
         self.switcher = RoleSwitcher(
             self, migrate=cfg.migrate, migrate_min_remaining_s=cfg.migrate_min_remaining_s
         )
@@ -266,6 +271,17 @@ class WorkerRuntime(Service):
         if not candidates:
             return None
         return max(candidates, key=lambda r: r.kv_total_blocks).worker_id
+
+    def decode_with_capacity(self, current: str, job: PrefillJob) -> str | None:
+        """An Active decode worker other than ``current`` whose telemetry shows room for
+        ``job`` now (decode_choice.pick_with_capacity), or None."""
+        return pick_with_capacity(
+            self.active_peers("decode", exclude=current),
+            self.telemetry.decode_views,
+            time.monotonic(),
+            prompt_tokens=job.prompt_len,
+            max_tokens=job.msg.sampling.max_tokens,
+        )
 
     async def _on_migrate(self, msg: MigrateRequest) -> AdmitReply:
         if self.role != "decode" or self.state != "active":

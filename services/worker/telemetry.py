@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from services.worker.decode_choice import DecodeView
 from services.worker.prefill_job import PrefillJob
 from shared.bus import ServeHandle
 from shared.engine.profiles import load_profile
 from shared.messages import WorkerTelemetry
+from shared.policy.admission import queue_work_s
 from shared.policy.config import PolicyConfig
 from shared.policy.fluidtoken import StealBudget, select_steal_ratios
 from shared.policy.predictors import LatencyProfile
@@ -50,6 +52,10 @@ class Telemetry:
         # Online recalibration (the paper's future work): refit from our own step times.
         self.recal = OnlineRecalibrator(self.profile)
         self.budgets: dict[str, StealBudget] = {}
+        # Prefill side: each decode worker's last word on its admission capacity (re-pairing
+        # a request that waits for decode capacity, decode_choice.py).
+        self.decode_views: dict[str, DecodeView] = {}
+        self.queue_work_s = 0.0
         self.prefill_peers: dict[str, float] = {}
         self.ppi = 0.0
         self.dpi_load = 0.0
@@ -120,6 +126,14 @@ class Telemetry:
         elif msg.role == "decode":
             tokens = msg.steal_budgets.get(self.rt.cfg.worker_id, 0)
             self.budgets[msg.publisher_id] = StealBudget(float(tokens), now)
+            m = msg.metrics
+            self.decode_views[msg.publisher_id] = DecodeView(
+                now,
+                msg.free_blocks,
+                msg.running + int(m.get("receiving", 0)),
+                int(m.get("decode_waiting", 0)),
+                int(m.get("decode_waiting_blocks", 0)),
+            )
 
     # ---------------------------------------------------------------- policies
     def _queue_view(self, jobs: list[PrefillJob]) -> list[QueuedRequest]:
@@ -183,12 +197,16 @@ class Telemetry:
         # horizon installed requests hold), so that C_alloc (eq. 6) is exactly the free pool.
         held_tokens = capacity - bm.num_free_blocks * bm.block_size
         reserved_tokens = max(0, held_tokens - active_tokens)
+        # Requests we refused for capacity and whose prefill workers keep them waiting are
+        # admission demand too: counted as reserved KV and taken slots, so DPI_adm (eq. 8)
+        # shows a decode pool short of capacity instead of a merely full one.
+        waiting = dec.waiting.totals(time.monotonic())
         return DecodeLoad(
             capacity,
             active_tokens,
-            reserved_tokens,
+            reserved_tokens + waiting.kv_tokens,
             len(dec.runnable),
-            admitted_requests=len(dec.requests),
+            admitted_requests=len(dec.requests) + waiting.requests,
             max_requests=dec.max_num_seqs,
         )
 
@@ -217,6 +235,15 @@ class Telemetry:
         running_s = 0.0
         if pf.current is not None:
             running_s = self.profile.prefill_time_s(pf.current.prompt_len)
+        # What a newcomer would wait for (the router predicts TTFT from it): the queue plus
+        # what remains of the running prefill.
+        remaining_s = running_s
+        started = pf.current.timestamps.get("prefill_start_s") if pf.current else None
+        if started is not None:
+            remaining_s = max(0.0, running_s - (time.time() - started))
+        self.queue_work_s = queue_work_s(
+            (j.prompt_len for j in jobs), self.profile, running_remaining_s=remaining_s
+        )
         self.ppi = queue_ppi(
             self._queue_view(jobs),
             self.profile,
@@ -241,6 +268,7 @@ class Telemetry:
             }
         bm = rt.engine.block_manager
         dec, pf = rt.decode, rt.prefill
+        waiting = dec.waiting.totals(now)
         return WorkerTelemetry(
             publisher_id=rt.cfg.worker_id,
             epoch=rt.sequencer.epoch,
@@ -275,6 +303,18 @@ class Telemetry:
                 "receiving": float(dec.num_receiving),
                 "decode_iterations_total": float(dec.iterations_total),
                 "prefills_total": float(pf.prefills_total),
+                # Overload (docs/operations.md): queued prefill work in predicted seconds and
+                # T_pre's coefficients (the router predicts TTFT from them), requests waiting
+                # for decode capacity on either side, and what was dropped or timed out.
+                "queue_work_s": self.queue_work_s,
+                "prefill_c0_s": self.profile.prefill_c0_s,
+                "prefill_c1_s_per_token": self.profile.prefill_c1_s_per_token,
+                "admission_waiting": float(len(pf.admission.waiting)),
+                "decode_waiting": float(waiting.requests),
+                "decode_waiting_blocks": float(-(-waiting.kv_tokens // bm.block_size)),
+                "expired_total": float(pf.expired_total),
+                "decode_wait_timeouts_total": float(pf.admission.wait_timeouts_total),
+                "repaired_for_capacity_total": float(pf.admission.repaired_for_capacity_total),
                 "pid": float(__import__("os").getpid()),
             },
         )

@@ -1,0 +1,134 @@
+"""SLO-aware admission at the router (goodput): reject a request with 503 + Retry-After,
+before any byte of a 200 is sent, when the TTFT it would see is hopeless.
+
+Predicted TTFT on the best Active prefill worker = the prefill work queued there (its
+telemetry's ``queue_work_s``: Σ T_pre over its queue plus the running prefill's remainder)
++ the T_pre of what this router sent it since that telemetry + the request's own T_pre
+(eq. 2, with the coefficients the worker publishes: the same predictors as its PPI). Shed
+when that exceeds ``ttft_multiple`` × S_TTFT (shared/policy/admission.py, the rule the
+simulator applies too). Without fresh telemetry from any prefill worker nothing is shed:
+no prediction, no rejection. Event loop only; mutates its own views and ledgers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from services.router.errors import Unavailable
+from shared.engine.profiles import load_profile
+from shared.messages import WorkerTelemetry
+from shared.policy.admission import (
+    SheddingConfig,
+    predicted_ttft_s,
+    retry_after_s,
+    should_shed,
+)
+from shared.policy.predictors import LatencyProfile
+
+TELEMETRY_LAG_S = 0.005  # a message received at t reflects the sends made up to t - this
+
+
+@dataclass
+class _PrefillView:
+    received_s: float  # our monotonic clock
+    queue_work_s: float
+    profile: LatencyProfile
+    sent: deque[tuple[float, float]]  # (send time, T_pre s) not yet in its telemetry
+    sent_work_s: float = 0.0
+
+    def drop_until(self, t: float) -> None:
+        while self.sent and self.sent[0][0] <= t:
+            self.sent_work_s -= self.sent.popleft()[1]
+        if not self.sent:
+            self.sent_work_s = 0.0
+
+
+class Overloaded(Unavailable):
+    """503 with Retry-After: the request's predicted TTFT is beyond the shedding limit."""
+
+    code = "overloaded"
+
+
+class AdmissionGate:
+    """The router's shedding decision (module doc). ``prefill_ids()`` lists the Active
+    prefill workers (registry)."""
+
+    def __init__(
+        self,
+        shedding: SheddingConfig,
+        ttft_slo_s: float,
+        prefill_ids: Callable[[], Iterable[str]],
+        *,
+        stale_after_s: float = 1.0,
+        profile: LatencyProfile | None = None,
+    ) -> None:
+        self.shedding = shedding
+        self.ttft_slo_s = ttft_slo_s
+        self.stale_after_s = stale_after_s
+        self._prefill_ids = prefill_ids
+        self._base = profile or load_profile("")
+        self._views: dict[str, _PrefillView] = {}
+        self.shed_total = 0
+
+    def observe(self, msg: WorkerTelemetry, now_s: float | None = None) -> None:
+        """A worker's telemetry (bus callback): keep a prefill worker's queued work."""
+        now = time.monotonic() if now_s is None else now_s
+        wid = msg.publisher_id
+        if msg.role != "prefill" or "queue_work_s" not in msg.metrics:
+            self._views.pop(wid, None)
+            return
+        m = msg.metrics
+        view = self._views.get(wid)
+        profile = view.profile if view is not None else self._base
+        c1 = m.get("prefill_c1_s_per_token", profile.prefill_c1_s_per_token)
+        c0 = m.get("prefill_c0_s", profile.prefill_c0_s)
+        if (c1, c0) != (profile.prefill_c1_s_per_token, profile.prefill_c0_s) and c1 > 0:
+            profile = dataclasses.replace(profile, prefill_c1_s_per_token=c1, prefill_c0_s=c0)
+        if view is None:
+            view = self._views[wid] = _PrefillView(now, m["queue_work_s"], profile, deque())
+        view.received_s, view.queue_work_s, view.profile = now, m["queue_work_s"], profile
+        view.drop_until(now - TELEMETRY_LAG_S)
+
+    def note_sent(self, prefill_id: str, prompt_tokens: int, now_s: float | None = None) -> None:
+        """The router handed a prompt to ``prefill_id``: count it until telemetry shows it."""
+        view = self._views.get(prefill_id)
+        if view is None:
+            return
+        now = time.monotonic() if now_s is None else now_s
+        work_s = max(0.0, view.profile.prefill_time_s(prompt_tokens))
+        view.drop_until(now - self.stale_after_s)  # bounded
+        view.sent.append((now, work_s))
+        view.sent_work_s += work_s
+
+    def predict_s(self, prompt_tokens: int, now_s: float | None = None) -> float | None:
+        """Predicted TTFT on the best Active prefill worker with fresh telemetry (None:
+        no such worker, no prediction)."""
+        now = time.monotonic() if now_s is None else now_s
+        best: float | None = None
+        for wid in self._prefill_ids():
+            view = self._views.get(wid)
+            if view is None or now - view.received_s > self.stale_after_s:
+                continue
+            ahead = view.queue_work_s + view.sent_work_s
+            ttft = predicted_ttft_s(ahead, prompt_tokens, view.profile)
+            best = ttft if best is None or ttft < best else best
+        return best
+
+    def check(self, prompt_tokens: int, now_s: float | None = None) -> None:
+        """Raises Overloaded (503, Retry-After) when the request should be shed."""
+        if not self.shedding.sheds:
+            return
+        predicted = self.predict_s(prompt_tokens, now_s)
+        if predicted is None or not should_shed(predicted, self.ttft_slo_s, self.shedding):
+            return
+        self.shed_total += 1
+        limit_s = self.shedding.ttft_multiple * self.ttft_slo_s
+        raise Overloaded(
+            f"the server is overloaded: predicted time to first token {predicted:.1f} s "
+            f"exceeds the limit of {limit_s:.1f} s; retry later",
+            retry_after_s=retry_after_s(predicted, self.ttft_slo_s, self.shedding),
+        )
