@@ -17,7 +17,9 @@ and budget staleness stay real-time (they are transport cadences, not workload t
 Per run it writes ``--out DIR/requests-<config>-<rps>.jsonl`` (one record per request) and
 ``DIR/run-<config>-<rps>.json`` (summary, time series in trace seconds, switch log), and
 prints one JSON object as the LAST stdout line (``results[config][rps]`` with
-``ttft_attainment``, ``tpot_attainment``, ``joint_attainment``, counts, ``errors`` and a
+``ttft_attainment``, ``tpot_attainment``, ``joint_attainment``, counts, ``errors`` — of
+which ``rejected`` (503 before any 200: shed or dropped past the deadline; not attained) and
+``failed_after_accept`` (an error after a 200), each with its fraction — and a
 ``loadgen_bottleneck`` section). With ``--url`` it replays against an existing router once
 (label ``external``) and starts nothing.
 """
@@ -150,6 +152,10 @@ def _stitch(
         "requests": sum(p["requests"] for p in parts),
         "completed": sum(p["completed"] for p in parts),
         "errors": sum(p["errors"] for p in parts),
+        "rejected": sum(p.get("rejected", 0) for p in parts),
+        "rejected_fraction": frac("rejected_fraction"),
+        "failed_after_accept": sum(p.get("failed_after_accept", 0) for p in parts),
+        "failed_after_accept_fraction": frac("failed_after_accept_fraction"),
         "oracle_splits": chosen,
         "oracle_candidates": splits,
         "per_window": {w: c["joint_attainment"] for w, c in chosen.items()},
@@ -200,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{args.workload} rps={rps:g} {name:8s} joint={row['joint_attainment']:.3f} "
                 f"ttft={row['ttft_attainment']:.3f} tpot={row['tpot_attainment']:.3f} "
-                f"n={row['requests']} errors={row['errors']}",
+                f"n={row['requests']} errors={row['errors']} "
+                f"rejected={row.get('rejected', 0)} "
+                f"failed_after_accept={row.get('failed_after_accept', 0)}",
                 file=sys.stderr,
             )
     summary = {

@@ -49,11 +49,30 @@ def record_json(rec: RequestRecord, time_scale: float) -> dict[str, Any]:
     return d
 
 
+def outcome_counts(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """How the requests that did not complete ended: ``rejected`` — answered 503 before any
+    200 (shed at the router for a hopeless predicted TTFT, or dropped from a prefill queue
+    past its deadline; they count as not attained) — and ``failed_after_accept`` — a 200
+    whose stream then ended in an error (what a serving system must not do). Counts and
+    fractions of all requests."""
+    n = len(records)
+    rejected = sum(1 for r in records if r.status == 503)
+    failed = sum(1 for r in records if r.status == 200 and r.error is not None)
+    return {
+        "rejected": rejected,
+        "rejected_fraction": round(rejected / n, 4) if n else 0.0,
+        "failed_after_accept": failed,
+        "failed_after_accept_fraction": round(failed / n, 4) if n else 0.0,
+    }
+
+
 def attainment(
     records: Sequence[RequestRecord], slo_ttft_ms: float, slo_tpot_ms: float
 ) -> dict[str, Any]:
-    """``loadgen.summarize`` plus per-window joint attainment (windows = record labels)."""
+    """``loadgen.summarize`` plus rejected / failed-after-accept counts (``outcome_counts``)
+    and per-window joint attainment (windows = record labels)."""
     out = summarize(records, slo_ttft_ms, slo_tpot_ms)
+    out.update(outcome_counts(records))
     labels = sorted({r.label for r in records})
     out["per_window"] = {
         lab: summarize([r for r in records if r.label == lab], slo_ttft_ms, slo_tpot_ms)[

@@ -1,0 +1,219 @@
+"""Unit tests of the overload parts that need no processes: the decode worker's count of
+waiting admissions, the prefill side's choice of a decode worker with room, the router's
+admission gate (predicted TTFT, 503 + Retry-After), the flags' validation, the errors a
+failed stream end maps to, and the replay summary's rejected / failed-after-accept split."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from services.bench.loadgen import RequestRecord
+from services.bench.replay_metrics import attainment
+from services.router.__main__ import main as router_main
+from services.router.admission import AdmissionGate, Overloaded
+from services.router.config import RouterConfig
+from services.router.generate import end_to_error
+from services.router.streams import StreamEnd
+from services.worker.config import WorkerConfig
+from services.worker.decode_choice import DecodeView, pick_with_capacity
+from services.worker.decode_waiting import WaitingAdmissions
+from services.worker.main import main as worker_main
+from shared.engine.profiles import load_profile
+from shared.messages import Role, WorkerRecord, WorkerTelemetry
+from shared.policy.admission import SheddingConfig
+
+PROFILE = load_profile("")  # T_pre(L) = 93.5 us * L + 15 ms
+
+
+def record(worker_id: str, role: Role = "decode", *, max_num_seqs: int = 4) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id,
+        role=role,
+        state="active",
+        pid=1,
+        host="h",
+        model="m",
+        fingerprint="f",
+        kv_total_blocks=128,
+        kv_block_size=16,
+        max_model_len=4096,
+        started_at_s=0.0,
+        heartbeat_at_s=0.0,
+        heartbeat_period_s=1.0,
+        decode_reserve_tokens=32,
+        max_num_seqs=max_num_seqs,
+    )
+
+
+def telemetry(
+    worker_id: str, *, seq: int = 0, queue_work_s: float | None = 0.0, role: Role = "prefill"
+) -> WorkerTelemetry:
+    metrics = {} if queue_work_s is None else {"queue_work_s": queue_work_s}
+    metrics |= {"prefill_c1_s_per_token": 1e-3, "prefill_c0_s": 0.01}
+    return WorkerTelemetry(
+        publisher_id=worker_id,
+        epoch=1,
+        seq=seq,
+        time_s=0.0,
+        role=role,
+        state="active",
+        queue_len=0,
+        running=0,
+        free_blocks=128,
+        total_blocks=128,
+        ppi=0.0,
+        dpi_load=0.0,
+        dpi_adm=0.0,
+        metrics=metrics,
+    )
+
+
+# ------------------------------------------------------------------- waiting admissions
+def test_waiting_admissions_count_until_admitted_cancelled_or_silent() -> None:
+    w = WaitingAdmissions(ttl_s=1.0)
+    w.note("a", 100, now_s=0.0)
+    w.note("b", 50, now_s=0.5)
+    assert (w.totals(0.6).requests, w.totals(0.6).kv_tokens) == (2, 150)
+    w.note("a", 100, now_s=0.9)  # a retry refreshes it: counted once
+    assert w.totals(1.2).requests == 2
+    assert w.totals(1.6).requests == 1  # b stopped retrying (re-paired, timed out)
+    w.drop("a")  # admitted or cancelled
+    assert (w.totals(1.6).requests, w.totals(1.6).kv_tokens) == (0, 0)
+    with pytest.raises(ValueError):
+        WaitingAdmissions(ttl_s=0.0)
+
+
+# -------------------------------------------------------------- decode choice (re-pair)
+def test_pick_with_capacity_needs_fresh_telemetry_a_free_slot_and_the_kv() -> None:
+    recs = [record("d1"), record("d2"), record("d3")]
+    views = {
+        "d1": DecodeView(received_s=10.0, free_blocks=100, admitted=4, waiting=0),  # no slot
+        "d2": DecodeView(received_s=10.0, free_blocks=20, admitted=1, waiting=0),
+        "d3": DecodeView(received_s=9.0, free_blocks=128, admitted=0, waiting=0),  # stale
+    }
+    kw = {"prompt_tokens": 100, "max_tokens": 50}  # (100 + 32) tokens = 9 blocks
+    assert pick_with_capacity(recs, views, 10.1, **kw) == "d2"
+    assert pick_with_capacity(recs, views, 10.1, exclude=frozenset({"d2"}), **kw) is None
+    # Slots already promised to waiting requests are not free.
+    views["d2"] = dataclasses.replace(views["d2"], waiting=3)
+    assert pick_with_capacity(recs, views, 10.1, **kw) is None
+    # Neither is the KV those waiting requests would reserve.
+    views["d2"] = DecodeView(10.0, free_blocks=20, admitted=0, waiting=1, waiting_blocks=12)
+    assert pick_with_capacity(recs, views, 10.1, **kw) is None
+    views["d3"] = dataclasses.replace(views["d3"], received_s=10.0)
+    assert pick_with_capacity(recs, views, 10.1, **kw) == "d3"
+
+
+# ------------------------------------------------------------------------ router gate
+def gate(multiple: float = 2.0, ids: tuple[str, ...] = ("p1", "p2")) -> AdmissionGate:
+    return AdmissionGate(
+        SheddingConfig(ttft_multiple=multiple, expire_margin_s=None),
+        1.0,
+        lambda: ids,
+        stale_after_s=1.0,
+        profile=PROFILE,
+    )
+
+
+def test_gate_predicts_ttft_on_the_best_prefill_worker_with_the_workers_coefficients() -> None:
+    g = gate()
+    assert g.predict_s(1000, now_s=0.0) is None  # no telemetry: no prediction, no shedding
+    g.check(10**6, now_s=0.0)
+    g.observe(telemetry("p1", queue_work_s=5.0), now_s=0.0)
+    g.observe(telemetry("p2", queue_work_s=1.0), now_s=0.0)
+    # Best worker p2: 1.0 s queued + its own T_pre(1000) = 1e-3 * 1000 + 0.01 (published).
+    assert g.predict_s(1000, now_s=0.1) == pytest.approx(2.01)
+    # What this router sent since p2's telemetry counts until the next one shows it.
+    g.note_sent("p2", 2000, now_s=0.2)
+    assert g.predict_s(1000, now_s=0.3) == pytest.approx(4.02)  # now p2 (1 + 2.01) + 1.01
+    g.observe(telemetry("p2", seq=1, queue_work_s=3.01), now_s=0.4)
+    assert g.predict_s(1000, now_s=0.5) == pytest.approx(4.02)  # not counted twice
+    assert g.predict_s(1000, now_s=1.35) == pytest.approx(4.02)  # p1 stale: p2 only
+    assert g.predict_s(1000, now_s=1.5) is None  # every view stale
+
+
+def test_gate_sheds_above_the_multiple_with_retry_after_and_never_when_off() -> None:
+    g = gate(multiple=2.0)
+    g.observe(telemetry("p1", queue_work_s=1.5), now_s=0.0)
+    g.observe(telemetry("p2", queue_work_s=3.0), now_s=0.0)
+    g.check(400, now_s=0.0)  # 1.5 + 0.41 = 1.91 s <= 2 x 1 s
+    with pytest.raises(Overloaded) as info:
+        g.check(1000, now_s=0.0)  # 1.5 + 1.01 = 2.51 s > 2 s
+    err = info.value
+    assert (err.http_status, err.code, err.retry_after_s) == (503, "overloaded", 1)
+    assert "2.5 s" in err.message and g.shed_total == 1
+    with pytest.raises(Overloaded) as info:
+        g.check(4000, now_s=0.0)  # 1.5 + 4.01 = 5.51 s: 3.51 s over the limit
+    assert info.value.retry_after_s == 4
+    off = gate(multiple=0.0)
+    off.observe(telemetry("p1", queue_work_s=100.0), now_s=0.0)
+    off.check(10**5, now_s=0.0)  # off: never sheds
+    # A worker that is no longer a prefill worker (or publishes no queue) is forgotten.
+    g.observe(telemetry("p1", seq=1, queue_work_s=None), now_s=0.1)
+    g.observe(telemetry("p2", seq=1, role="decode"), now_s=0.1)
+    assert g.predict_s(1000, now_s=0.2) is None
+
+
+def test_failed_ends_before_any_token_map_to_503_with_retry_after() -> None:
+    for code in ("deadline_expired", "decode_wait_timeout", "kv_capacity_exhausted"):
+        err = end_to_error(StreamEnd("error", "x", code))
+        assert (err.http_status, err.code, err.retry_after_s) == (503, code, 1)
+
+
+# ------------------------------------------------------------------------------ flags
+def test_router_and_worker_flags_validate_and_bad_values_exit_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert RouterConfig(shed_ttft_multiple=0.0).shed_ttft_multiple == 0.0
+    assert RouterConfig().shed_ttft_multiple == 2.0
+    with pytest.raises(ValueError, match="shed_ttft_multiple"):
+        RouterConfig(shed_ttft_multiple=0.5)
+    assert router_main(["--shed-ttft-multiple", "0.5"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1  # one line
+    monkeypatch.setenv("FLUIDPD_SHED_TTFT_MULTIPLE", "lots")
+    assert router_main([]) == 2
+    assert "could not convert" in capsys.readouterr().err
+    monkeypatch.delenv("FLUIDPD_SHED_TTFT_MULTIPLE")
+
+    cfg = WorkerConfig(worker_id="p0", role="prefill")
+    assert (cfg.decode_wait_timeout_s, cfg.expire_margin) == (60.0, 10.0)
+    assert WorkerConfig(worker_id="p0", role="prefill", expire_margin_s=-1).expire_margin is None
+    with pytest.raises(ValueError, match="decode_wait_timeout_s"):
+        WorkerConfig(worker_id="p0", role="prefill", decode_wait_timeout_s=0.0)
+    with pytest.raises(ValueError, match="expire_margin_s"):
+        WorkerConfig(worker_id="p0", role="prefill", expire_margin_s=float("nan"))
+    assert worker_main("prefill", ["--decode-wait-timeout-s", "0"]) == 2
+    monkeypatch.setenv("FLUIDPD_EXPIRE_MARGIN_S", "soon")
+    assert worker_main("prefill", []) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 2 and "decode_wait_timeout_s" in err
+
+
+# ------------------------------------------------------------------------ replay bench
+def test_replay_summary_reports_rejected_apart_from_failed_after_accept() -> None:
+    def rec(status: int, error: str | None, first_token_s: float | None) -> RequestRecord:
+        return RequestRecord(
+            index=0,
+            label="0:w",
+            arrival_s=0.0,
+            prompt_tokens=8,
+            output_tokens=1,
+            first_token_s=first_token_s,
+            last_token_s=first_token_s,
+            num_tokens=0 if first_token_s is None else 1,
+            error=error,
+            status=status,
+        )
+
+    records = [
+        rec(200, None, 0.1),
+        rec(503, "http 503: overloaded", None),
+        rec(503, "http 503: deadline_expired", None),
+        rec(200, "decode worker has no capacity", 0.1),
+    ]
+    row = attainment(records, slo_ttft_ms=1000, slo_tpot_ms=1000)
+    assert (row["rejected"], row["rejected_fraction"]) == (2, 0.5)
+    assert (row["failed_after_accept"], row["failed_after_accept_fraction"]) == (1, 0.25)
+    assert row["errors"] == 3 and row["joint_attainment"] == 0.25  # rejected: not attained
