@@ -1,8 +1,8 @@
 """SLO-aware admission on real processes (emulated engine at 10x its profile's time, real
 nats-server, UCX, routers over HTTP): an overloaded router answers 503 + Retry-After with
 an OpenAI-style error before any 200, for stream and non-stream; a prefill worker drops
-queued requests whose TTFT deadline passed (the router answers 503 for them too, their
-headers not sent yet) and every block comes back.
+queued requests whose TTFT deadline passed with a clear ``deadline_expired`` error (a 503
+when no 200 was sent yet) and every block comes back.
 
 The overload is deterministic: a "hog" prompt whose predicted prefill (T_pre at 10x, ~3 s)
 is far beyond the 500 ms TTFT SLO is sent straight to the prefill worker, and the tests wait
@@ -123,14 +123,16 @@ async def test_deadline_expired_queued_work_is_dropped_and_its_blocks_freed(
     hog = await _hog(client)
     # Queued behind the hog through the router that never sheds: their 500 ms deadline
     # passes while the hog runs, so pe drops them when it takes the next prompt.
-    outs = await asyncio.gather(
+    streamed, whole = await asyncio.gather(
         completion(session, cluster["open"], SHORT, 2, stream=True),
         completion(session, cluster["open"], SHORT, 2, stream=False),
     )
-    for out in outs:
-        assert out.status == 503, out  # no 200 was sent: a plain error, also when streaming
-        assert out.error_code == "deadline_expired", out
-        assert out.retry_after is not None, out
+    # No 200 sent yet: a plain 503 with Retry-After. A stream's 200 and its headers go out at
+    # once, so it ends with the same typed error in-band.
+    assert (whole.status, whole.error_code) == (503, "deadline_expired"), whole
+    assert whole.retry_after is not None, whole
+    assert (streamed.status, streamed.error_code) == (200, "deadline_expired"), streamed
+    assert streamed.first_token_s is None, streamed  # nothing was computed for it
     assert (await client.result(hog, timeout_s=30)).finish_reason == "length"
     await client.wait_telemetry(
         lambda t: _idle(t) and t["pe"].metrics["expired_total"] == expired0 + 2, 30.0

@@ -247,11 +247,6 @@ class GenerationHandler:
     async def _stream(
         self, request: web.Request, req: GenerationRequest, entry: InFlight, text: TextAssembler
     ) -> web.StreamResponse:
-        # The 200 and its headers wait for the first token (or the end): a request that
-        # ends before it (dropped past its deadline, no worker) still gets a plain 503.
-        pieces, end = await self._collect(entry, text)
-        if end is not None and end.failed and not text.num_tokens:
-            raise end_to_error(end)
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -266,11 +261,8 @@ class GenerationHandler:
             await send(
                 {**base, "choices": [self._choice(req, "", None, True, first=True)], **usage_null}
             )
-        first = True
         while True:
-            if not first:
-                pieces, end = await self._collect(entry, text)
-            first = False
+            pieces, end = await self._collect(entry, text)
             delta = "".join(pieces)
             if end is not None and end.failed:
                 if delta:
