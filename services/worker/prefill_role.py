@@ -10,10 +10,13 @@ One iteration::
       -> once the reservation is confirmed, export the prefix KV straight into the reserved blocks (background task; the next
          prefill starts meanwhile); local blocks freed when UCX no longer reads them.
 
-The admit is retried (same decode worker after ``retry_after_ms``, or another one when it
-stopped decoding) until the request's deadline; a request that never gets a reservation
-ends with an error item to the router (after its first token, if that was already sent),
-and so does a failed export (the decode side frees its reservation on its own deadline).
+A decode worker without capacity makes the request wait (admission.py: its KV held here,
+retried after ``retry_after_ms`` or re-paired with a decode worker that has room) in the
+background while the next prefill starts, until admitted, cancelled or the decode-wait
+timeout; a request that never gets a reservation ends with an error item to the router
+(after its first token, if that was already sent), and so does a failed export (the
+decode side frees its reservation on its own deadline). Queued prompts whose TTFT deadline
+passed by the expiry margin are dropped before they start (``drop_expired``).
 A cancel, or a failed step, sends a CancelRequest to the decode side (it frees a
 reservation the concurrent admit made, or refuses the admit if that comes later).
 """
@@ -281,7 +284,8 @@ class PrefillRole:
         """Wait for the decode reservation, then export (or free everything)."""
         try:
             admit = await admitting
-        except BaseException:
+        except BaseException:  # cancelled (worker stopping) or the admit raised
+            admitting.cancel()
             self._free_local(seq_id)
             self.jobs.pop(job.request_id, None)
             raise
