@@ -95,12 +95,12 @@ async def _waiting_on(client: BusClient, prefill_id: str, n: int = 1) -> None:
 async def test_decode_full_keeps_every_accepted_request_until_it_completes(
     client: BusClient, reference: Engine
 ) -> None:
-    prompts = _prompts(4, 12, 1, reference.model_config.vocab_size)
-    want = generate(reference, prompts, SamplingParams(max_tokens=80, ignore_eos=True))
-    rids = [await client.submit("p0", "d0", p, 80) for p in prompts]
+    prompts = _prompts(3, 12, 1, reference.model_config.vocab_size)
+    want = generate(reference, prompts, SamplingParams(max_tokens=50, ignore_eos=True))
+    rids = [await client.submit("p0", "d0", p, 50) for p in prompts]
     await _waiting_on(client, "p0")  # some of them did wait for d0's one slot
     got = [await client.result(r, timeout_s=120) for r in rids]
-    assert [g.finish_reason for g in got] == ["length"] * 4, [g.error for g in got]
+    assert [g.finish_reason for g in got] == ["length"] * 3, [g.error for g in got]
     for g, w in zip(got, want, strict=True):
         assert g.token_ids == w.token_ids
     await client.wait_telemetry(_idle, 30.0)
@@ -142,3 +142,32 @@ async def test_decode_wait_timeout_ends_a_request_with_a_clear_error(
     await client.cancel(holder, ["p0", "d0"])
     await client.wait_telemetry(_idle, 30.0)
     assert client.results[holder].finish_reason is None  # cancelled, never failed
+
+
+async def test_a_waiting_request_is_re_paired_to_a_decode_worker_with_room(
+    cluster: str, client: BusClient, reference: Engine, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Last in the module: it adds d1, after which nothing would have to wait."""
+    long_p, moved_p = _prompts(2, 12, 4, reference.model_config.vocab_size)
+    want = generate(reference, [moved_p], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    logs = tmp_path_factory.mktemp("decode-wait-d1")
+    d1 = start_worker("decode", "d1", cluster, *ARGS, "--max-num-seqs", "1", log_dir=logs)
+    try:
+        await client.wait_workers(["d1"])
+        await client.wait_telemetry(lambda t: "d1" in t and _idle(t), 30.0)
+        before = _metric(client.telemetry, "p0", "repaired_for_capacity_total")
+        holder = await client.submit("p0", "d0", long_p, 400)
+        await client.wait_until(lambda: len(client.results[holder].token_ids) >= 2, 30.0)
+        moved = await client.submit("p0", "d0", moved_p, 20)  # d0 is full: d1 takes it
+        rec = await client.result(moved, timeout_s=60)
+        assert rec.finish_reason == "length" and rec.token_ids == want.token_ids, rec.error
+        assert set(rec.publishers) == {"p0", "d1"}
+        await client.wait_telemetry(
+            lambda t: _metric(t, "p0", "repaired_for_capacity_total") == before + 1, 10.0
+        )
+        await client.cancel(holder, ["p0", "d0"])
+        await client.wait_telemetry(
+            lambda t: _idle(t) and t["d1"].free_blocks == t["d1"].total_blocks, 30.0
+        )
+    finally:
+        assert stop_all([d1]) == [0]
