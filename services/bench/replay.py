@@ -83,6 +83,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument(
+        "--shed-ttft-multiple",
+        type=float,
+        default=2.0,
+        help="routers shed above this multiple of the TTFT SLO (0: off)",
+    )
+    ap.add_argument(
+        "--expire-margin-s",
+        type=float,
+        default=10.0,
+        help="prefill workers drop queued work this long past its deadline (trace s; <0: off)",
+    )
     ap.add_argument("--oracle-splits", default="", help="prefill counts to try, e.g. 3,4,5")
     ap.add_argument("--url", default="", help="replay against this router; start nothing")
     ap.add_argument("--out", default="", help="directory for records and run files")
@@ -92,6 +104,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--workers must be >= 2")
     if not a.time_scale > 0:
         ap.error("--time-scale must be > 0")
+    if not (a.shed_ttft_multiple == 0 or a.shed_ttft_multiple >= 1):
+        ap.error("--shed-ttft-multiple must be 0 (off) or >= 1")
     if a.engine == "torch" and a.time_scale != 1.0:
         ap.error("--time-scale applies to the emulated engine only (torch computes for real)")
     return a
@@ -192,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         out_dir=out_dir,
         url=args.url,
         timeout_s=args.timeout_s,
+        shed_ttft_multiple=args.shed_ttft_multiple,
+        expire_margin_s=args.expire_margin_s,
     )
     names = ["external"] if args.url else configs_of(args.config)
     results: dict[str, dict[str, Any]] = {}
@@ -220,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "scaled_by": s},
         "requests": args.requests,
         "trace_offset_s": args.trace_offset,
+        "shed_ttft_multiple": args.shed_ttft_multiple,
+        "expire_margin_s": args.expire_margin_s,
         "out": str(out_dir),
         "policy_config": policy.to_dict(),
         "results": results,

@@ -55,6 +55,10 @@ class RunSpec:
     timeout_s: float = 600.0
     ready_timeout_s: float = 300.0
     max_num_seqs: int = 64
+    # Overload (docs/operations.md): the router's shedding multiple (0: off) and the prefill
+    # workers' expiry margin in trace seconds (< 0: off).
+    shed_ttft_multiple: float = 2.0
+    expire_margin_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.config not in FLUIDTOKEN and not (self.url and self.config == "external"):
@@ -74,7 +78,10 @@ def cluster_spec(spec: RunSpec) -> ClusterSpec:
     worker_args: tuple[str, ...] = ("--max-num-seqs", str(spec.max_num_seqs))
     if not FLUIDTOKEN[spec.config]:
         worker_args += ("--no-fluidtoken",)
+    margin = spec.expire_margin_s * spec.time_scale if spec.expire_margin_s >= 0 else -1.0
+    worker_args += ("--expire-margin-s", f"{margin:g}")
     router_args: tuple[str, ...] = ("--ttft-slo-ms", f"{spec.slo_ttft_ms * spec.time_scale:g}")
+    router_args += ("--shed-ttft-multiple", f"{spec.shed_ttft_multiple:g}")
     if spec.config == "static":
         router_args += ("--pairing", "round_robin")
     return ClusterSpec(
