@@ -367,6 +367,10 @@ def run_shift(
         policy_config=str(policy_path),
         auto_policy=True,
         worker_args=worker_args + setup.extra_worker_args,
+        # The bench drives pressure on purpose to watch FluidRole answer it: shedding at the
+        # router (docs/operations.md, "Overload") would cap the pressure and 503 requests
+        # the run counts as errors.
+        router_args=("--shed-ttft-multiple", "0"),
         log_dir=log_dir,
     )
     cluster = Cluster(spec)
