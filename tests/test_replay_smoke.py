@@ -56,7 +56,11 @@ def test_replay_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
         assert row["joint_attainment"] <= min(row["ttft_attainment"], row["tpot_attainment"])
         assert row["requests"] == REQUESTS
         assert row["completed"] + row["errors"] == REQUESTS
-        assert row["errors"] == 0, row
+        # No accepted request fails; on a loaded machine the router may shed some (503
+        # before any 200: counted apart, as not attained).
+        assert row["failed_after_accept"] == 0, row
+        assert row["errors"] == row["rejected"], row
+        assert row["rejected_fraction"] == round(row["rejected"] / REQUESTS, 4)
         assert set(row["per_window"]) == {"0:conversation", "1:code", "2:conversation"}
         bn = row["loadgen_bottleneck"]
         assert bn["dispatch_lag_ms"]["p50"] is not None and "verdict" in bn

@@ -24,7 +24,6 @@ reservation the concurrent admit made, or refuses the admit if that comes later)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -35,30 +34,26 @@ import structlog
 
 from services.worker.admission import DecodeAdmission
 from services.worker.params import engine_params
+from services.worker.prefill_handoff import PrefillHandoff
 from services.worker.prefill_job import PrefillJob
 from services.worker.token_stream import TokenStreamer
 from shared.aio import resolve
 from shared.bus import Bus
-from shared.bus.errors import BusError
 from shared.engine.batch import StepInput
 from shared.engine.engine import SampleSpec
-from shared.errors import FluidPDError
 from shared.messages import (
     AdmitReply,
-    CancelRequest,
     PrefillRequest,
     Subjects,
     TokenItem,
 )
 from shared.policy.admission import SheddingConfig, is_expired
-from shared.transfer.envelope import TransferTicket
-from shared.transfer.errors import TransferError
 from shared.transfer.sender import KVSender
 
 log = structlog.get_logger(__name__)
 
 
-class PrefillRole:
+class PrefillRole(PrefillHandoff):
     """Owns the prefill queue and the prefill loop of one worker."""
 
     def __init__(
@@ -273,59 +268,6 @@ class PrefillRole:
         self.exports.add(task)  # holds our blocks: the loop waits on it when short of them
         task.add_done_callback(self._export_done)
 
-    async def _admitted(
-        self,
-        job: PrefillJob,
-        admitting: asyncio.Future[AdmitReply | None],
-        seq_id: str,
-        prefix_len: int,
-        first: int | None,
-    ) -> None:
-        """Wait for the decode reservation, then export (or free everything)."""
-        try:
-            admit = await admitting
-        except BaseException:  # cancelled (worker stopping) or the admit raised
-            admitting.cancel()
-            self._free_local(seq_id)
-            self.jobs.pop(job.request_id, None)
-            raise
-        if admit is None or job.cancelled:  # a failed admit already told the router
-            self._free_local(seq_id)
-            self.jobs.pop(job.request_id, None)
-            if admit is not None:
-                await self._cancel_remote(job)
-            return
-        try:
-            await self._start_export(job, admit, seq_id, prefix_len, first)
-        except Exception as exc:  # in the background: end the request clearly
-            log.exception("prefill_failed", request_id=job.request_id)
-            self._fail(job, f"prefill failed: {type(exc).__name__}: {exc}", "internal_error")
-
-    async def _start_export(
-        self, job: PrefillJob, admit: AdmitReply, seq_id: str, prefix_len: int, first: Any
-    ) -> None:
-        suffix_len = job.prompt_len - prefix_len
-        if suffix_len:
-            self.split_requests_total += 1
-            self.handed_off_tokens_total += suffix_len
-        try:
-            ticket = TransferTicket.decode(admit.ticket, self._secret)
-        except BaseException:  # a ticket we cannot open (wrong cluster secret): free both sides
-            await self._abandon(job, seq_id)
-            raise
-        meta = {"prefix_len": prefix_len, "first_token": first}
-        task = asyncio.ensure_future(self._export(job, ticket, seq_id, meta))
-        self.exports.add(task)
-        task.add_done_callback(self._export_done)
-
-    def _free_local(self, seq_id: str) -> None:
-        if self.bm.has_sequence(seq_id):
-            self.bm.free_sequence(seq_id)
-
-    def _export_done(self, task: asyncio.Task[None]) -> None:
-        self.exports.discard(task)
-        self.progress.set()
-
     def _allocate(self, job: PrefillJob, num_tokens: int) -> str:
         """Local blocks for the prompt's KV. Raises NoFreeBlocksError (nothing held)."""
         seq_id = f"pf-{job.request_id}"
@@ -388,49 +330,6 @@ class PrefillRole:
             ),
         )
         await self._flush_now()
-
-    async def _export(
-        self, job: PrefillJob, ticket: TransferTicket, seq_id: str, meta: dict[str, Any]
-    ) -> None:
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.bm.free_sequence(seq_id)
-
-        try:
-            await self.sender.send(
-                ticket,
-                self.engine.arena,
-                self.bm.block_table(seq_id)[: ticket.num_blocks],
-                timeout_s=self.transfer_timeout_s,
-                meta=meta,
-                on_source_released=release,
-            )
-            job.timestamps["kv_sent_s"] = time.time()
-            self.observe_stage(
-                "kv_export", job.timestamps["kv_sent_s"] - job.timestamps["prefill_end_s"]
-            )
-        except (TransferError, FluidPDError) as exc:
-            log.warning("kv_export_failed", request_id=job.request_id, error=str(exc))
-            self._fail(job, f"KV transfer failed: {exc}", exc.code)
-        finally:
-            release()
-            self.jobs.pop(job.request_id, None)
-
-    async def _abandon(self, job: PrefillJob, seq_id: str) -> None:
-        """Free the prompt's local blocks and tell the decode side to drop its part."""
-        self._free_local(seq_id)
-        await self._cancel_remote(job)
-
-    async def _cancel_remote(self, job: PrefillJob) -> None:
-        with contextlib.suppress(BusError):  # best effort: D also has its own deadline
-            await self.bus.publish(
-                self.subjects.worker_cancel(job.msg.decode_worker_id),
-                CancelRequest(request_id=job.request_id, reason="cancelled"),
-            )
 
     def _fail(self, job: PrefillJob, error: str, code: str) -> None:
         self.jobs.pop(job.request_id, None)
