@@ -156,6 +156,38 @@ def test_gate_sheds_above_the_multiple_with_retry_after_and_never_when_off() -> 
     assert g.predict_s(1000, now_s=0.2) is None
 
 
+def test_gate_sheds_when_every_decode_worker_has_a_batch_of_requests_waiting() -> None:
+    decode = [record("d1", max_num_seqs=4), record("d2", max_num_seqs=8)]
+    g = AdmissionGate(
+        SheddingConfig(ttft_multiple=0.0, expire_margin_s=None),  # the TTFT rule off
+        1.0,
+        lambda: ("p1",),
+        stale_after_s=1.0,
+        profile=PROFILE,
+        decode_records=lambda: decode,
+        decode_backlog_batches=1.0,
+    )
+
+    def waiting(wid: str, n: int, seq: int) -> WorkerTelemetry:
+        return dataclasses.replace(
+            telemetry(wid, seq=seq, role="decode"), metrics={"decode_waiting": float(n)}
+        )
+
+    g.check(1000, now_s=0.0)  # no decode telemetry: nothing to go on
+    g.observe(waiting("d1", 4, 0), now_s=0.0)  # one batch waiting on d1 ...
+    g.observe(waiting("d2", 7, 0), now_s=0.0)  # ... but d2 still below one batch
+    assert g.decode_backlog(now_s=0.1) == pytest.approx(7 / 8)
+    g.check(1000, now_s=0.1)
+    g.observe(waiting("d2", 16, 1), now_s=0.2)  # two batches
+    with pytest.raises(Overloaded) as info:
+        g.check(1000, now_s=0.3)
+    assert (info.value.code, info.value.retry_after_s) == ("overloaded", 1)
+    assert "decode worker" in info.value.message
+    g.check(1000, now_s=1.5)  # stale: no longer evidence
+    with pytest.raises(ValueError):
+        AdmissionGate(SheddingConfig(), 1.0, lambda: (), decode_backlog_batches=-1.0)
+
+
 def test_failed_ends_before_any_token_map_to_503_with_retry_after() -> None:
     for code in ("deadline_expired", "decode_wait_timeout", "kv_capacity_exhausted"):
         err = end_to_error(StreamEnd("error", "x", code))
@@ -168,6 +200,9 @@ def test_router_and_worker_flags_validate_and_bad_values_exit_2(
 ) -> None:
     assert RouterConfig(shed_ttft_multiple=0.0).shed_ttft_multiple == 0.0
     assert RouterConfig().shed_ttft_multiple == 2.0
+    assert RouterConfig(shed_decode_backlog=0.0).shed_decode_backlog == 0.0
+    with pytest.raises(ValueError, match="shed_decode_backlog"):
+        RouterConfig(shed_decode_backlog=-1.0)
     with pytest.raises(ValueError, match="shed_ttft_multiple"):
         RouterConfig(shed_ttft_multiple=0.5)
     assert router_main(["--shed-ttft-multiple", "0.5"]) == 2

@@ -370,7 +370,7 @@ def run_shift(
         # The bench drives pressure on purpose to watch FluidRole answer it: shedding at the
         # router (docs/operations.md, "Overload") would cap the pressure and 503 requests
         # the run counts as errors.
-        router_args=("--shed-ttft-multiple", "0"),
+        router_args=("--shed-ttft-multiple", "0", "--shed-decode-backlog", "0"),
         log_dir=log_dir,
     )
     cluster = Cluster(spec)

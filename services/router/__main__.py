@@ -52,6 +52,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="503 + Retry-After when the predicted TTFT exceeds this multiple of the "
         "TTFT SLO (0: never shed)",
     )
+    p.add_argument(
+        "--shed-decode-backlog",
+        type=float,
+        default=float(env("FLUIDPD_SHED_DECODE_BACKLOG", "1")),
+        help="503 + Retry-After when every decode worker has this many batches "
+        "(x its max-num-seqs) of requests waiting for admission (0: never)",
+    )
     p.add_argument("--log-json", action="store_true", default=env("FLUIDPD_LOG_JSON") == "1")
     return p
 
@@ -75,6 +82,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout_s,
         submit_timeout_s=args.submit_timeout_s,
         shed_ttft_multiple=args.shed_ttft_multiple,
+        shed_decode_backlog=args.shed_decode_backlog,
         log_json=args.log_json,
     )
 

@@ -7,7 +7,14 @@ telemetry's ``queue_work_s``: Σ T_pre over its queue plus the running prefill's
 (eq. 2, with the coefficients the worker publishes: the same predictors as its PPI). Shed
 when that exceeds ``ttft_multiple`` × S_TTFT (shared/policy/admission.py, the rule the
 simulator applies too). Without fresh telemetry from any prefill worker nothing is shed:
-no prediction, no rejection. Event loop only; mutates its own views and ledgers.
+no prediction, no rejection.
+
+Decode backlog: a request the decode side cannot admit waits for it after its prefill (its
+KV held on the prefill worker) and, past the workers' decode-wait timeout, fails after its
+200. So the gate also sheds when every Active decode worker with fresh telemetry already
+has ``decode_backlog_batches`` × its ``max_num_seqs`` requests waiting for admission
+(telemetry ``decode_waiting``): a newcomer would wait at least that many batch turnovers.
+Event loop only; mutates its own views and ledgers.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from dataclasses import dataclass
 
 from services.router.errors import Unavailable
 from shared.engine.profiles import load_profile
-from shared.messages import WorkerTelemetry
+from shared.messages import WorkerRecord, WorkerTelemetry
 from shared.policy.admission import (
     SheddingConfig,
     predicted_ttft_s,
@@ -65,7 +72,14 @@ class AdmissionGate:
         *,
         stale_after_s: float = 1.0,
         profile: LatencyProfile | None = None,
+        decode_records: Callable[[], Iterable[WorkerRecord]] | None = None,
+        decode_backlog_batches: float = 0.0,
     ) -> None:
+        if not decode_backlog_batches >= 0.0:
+            raise ValueError("decode_backlog_batches must be >= 0 (0: off)")
+        self._decode_records = decode_records
+        self.decode_backlog_batches = decode_backlog_batches
+        self._decode_waiting: dict[str, tuple[float, float]] = {}  # id -> (mono s, waiting)
         self.shedding = shedding
         self.ttft_slo_s = ttft_slo_s
         self.stale_after_s = stale_after_s
@@ -78,6 +92,10 @@ class AdmissionGate:
         """A worker's telemetry (bus callback): keep a prefill worker's queued work."""
         now = time.monotonic() if now_s is None else now_s
         wid = msg.publisher_id
+        if msg.role == "decode":
+            self._decode_waiting[wid] = (now, msg.metrics.get("decode_waiting", 0.0))
+        else:
+            self._decode_waiting.pop(wid, None)
         if msg.role != "prefill" or "queue_work_s" not in msg.metrics:
             self._views.pop(wid, None)
             return
@@ -118,8 +136,32 @@ class AdmissionGate:
             best = ttft if best is None or ttft < best else best
         return best
 
+    def decode_backlog(self, now_s: float | None = None) -> float | None:
+        """The smallest decode backlog (requests waiting for admission / ``max_num_seqs``)
+        over the Active decode workers with fresh telemetry; None when there is none."""
+        if self._decode_records is None:
+            return None
+        now = time.monotonic() if now_s is None else now_s
+        best: float | None = None
+        for rec in self._decode_records():
+            seen = self._decode_waiting.get(rec.worker_id)
+            if seen is None or now - seen[0] > self.stale_after_s:
+                continue
+            backlog = seen[1] / max(1, rec.max_num_seqs)
+            best = backlog if best is None or backlog < best else best
+        return best
+
     def check(self, prompt_tokens: int, now_s: float | None = None) -> None:
         """Raises Overloaded (503, Retry-After) when the request should be shed."""
+        if self.decode_backlog_batches > 0:
+            backlog = self.decode_backlog(now_s)
+            if backlog is not None and backlog >= self.decode_backlog_batches:
+                self.shed_total += 1
+                raise Overloaded(
+                    f"the server is overloaded: every decode worker already has "
+                    f"{backlog:.1f} batches of requests waiting for it; retry later",
+                    retry_after_s=max(1, round(backlog)),
+                )
         if not self.shedding.sheds:
             return
         predicted = self.predict_s(prompt_tokens, now_s)

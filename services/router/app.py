@@ -71,12 +71,14 @@ class Router(Service):
             cfg.pairing, cfg.telemetry_stale_s, ttft_s=cfg.ttft_slo_ms / 1000.0
         )
         self.gate: AdmissionGate | None = None
-        if cfg.shed_ttft_multiple > 0:
+        if cfg.shed_ttft_multiple > 0 or cfg.shed_decode_backlog > 0:
             self.gate = AdmissionGate(
                 SheddingConfig(ttft_multiple=cfg.shed_ttft_multiple, expire_margin_s=None),
                 cfg.ttft_slo_ms / 1000.0,
                 lambda: [r.worker_id for r in self.active_workers("prefill")],
                 stale_after_s=cfg.telemetry_stale_s,
+                decode_records=lambda: self.active_workers("decode"),
+                decode_backlog_batches=cfg.shed_decode_backlog,
             )
         self.bus: Bus | None = None
         self.watcher: RegistryWatcher | None = None

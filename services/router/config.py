@@ -47,6 +47,9 @@ class RouterConfig:
     # Shed (503 + Retry-After) when the predicted TTFT exceeds this multiple of the TTFT SLO
     # (services/router/admission.py); 0 turns shedding off.
     shed_ttft_multiple: float = 2.0
+    # ... and when every decode worker has this many batches (× max_num_seqs) of requests
+    # waiting for decode admission; 0 turns it off.
+    shed_decode_backlog: float = 1.0
     log_json: bool = False
 
     def __post_init__(self) -> None:
@@ -63,6 +66,10 @@ class RouterConfig:
         if not (self.shed_ttft_multiple == 0.0 or self.shed_ttft_multiple >= 1.0):
             raise ValueError(
                 f"shed_ttft_multiple must be 0 (off) or >= 1, got {self.shed_ttft_multiple}"
+            )
+        if not self.shed_decode_backlog >= 0.0:
+            raise ValueError(
+                f"shed_decode_backlog must be >= 0 (0: off), got {self.shed_decode_backlog}"
             )
         if bool(self.nats_user) != bool(self.nats_password):
             raise ValueError("nats_user and nats_password go together")
