@@ -18,7 +18,7 @@ from services.router.generate import end_to_error
 from services.router.streams import StreamEnd
 from services.worker.config import WorkerConfig
 from services.worker.decode_choice import DecodeView, pick_with_capacity
-from services.worker.decode_waiting import WaitingAdmissions
+from services.worker.decode_waiting import WaitingAdmissions, WaitingTotals
 from services.worker.main import main as worker_main
 from shared.engine.profiles import load_profile
 from shared.messages import Role, WorkerRecord, WorkerTelemetry
@@ -81,6 +81,17 @@ def test_waiting_admissions_count_until_admitted_cancelled_or_silent() -> None:
     assert w.totals(1.6).requests == 1  # b stopped retrying (re-paired, timed out)
     w.drop("a")  # admitted or cancelled
     assert (w.totals(1.6).requests, w.totals(1.6).kv_tokens) == (0, 0)
+
+
+def test_waiting_admissions_are_served_in_the_order_they_first_asked() -> None:
+    w = WaitingAdmissions(ttl_s=1.0)
+    w.note("old", 100, now_s=0.0)
+    w.note("new", 50, now_s=0.1)
+    w.note("old", 100, now_s=0.2)  # a retry keeps its place
+    assert w.ahead("old", now_s=0.3) == WaitingTotals(0, 0)
+    assert w.ahead("new", now_s=0.3) == WaitingTotals(1, 100)
+    assert w.ahead("stranger", now_s=0.3) == WaitingTotals(2, 150)  # not waiting yet: last
+    assert w.ahead("new", now_s=1.25) == WaitingTotals(0, 0)  # "old" went silent
     with pytest.raises(ValueError):
         WaitingAdmissions(ttl_s=0.0)
 

@@ -151,11 +151,20 @@ class DecodeIntake:
             return AdmitReply(ok=False, error=f"request {msg.request_id} already admitted")
         if msg.request_id in self._cancelled:
             return AdmitReply(ok=False, error=f"request {msg.request_id} was cancelled")
-        if len(self.requests) >= self.max_num_seqs:
+        # Requests refused earlier and still waiting are served first (decode_waiting.py).
+        ahead = self.waiting.ahead(msg.request_id, time.monotonic())
+        if len(self.requests) + ahead.requests >= self.max_num_seqs:
             # The prefill worker keeps the request waiting (its KV held there) and retries:
             # count it, so that DPI_adm and telemetry show the demand we refused.
             self._note_waiting(msg)
             return AdmitReply(ok=False, error="decode batch is full", retry_after_ms=20)
+        if ahead.requests:
+            need = self._blocks_for_request(msg.prompt_len, msg.sampling.max_tokens)
+            if self.bm.num_free_blocks - self.bm.blocks_for_tokens(ahead.kv_tokens) < need:
+                self._note_waiting(msg)
+                return AdmitReply(
+                    ok=False, error="KV kept for requests waiting longer", retry_after_ms=50
+                )
         suffix_len = msg.suffix_len
         if suffix_len and self._suffix_budget is not None:
             allowed = self._suffix_budget(
