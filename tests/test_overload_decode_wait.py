@@ -171,3 +171,31 @@ async def test_a_waiting_request_is_re_paired_to_a_decode_worker_with_room(
         )
     finally:
         assert stop_all([d1]) == [0]
+
+
+async def test_a_prefill_to_decode_switch_does_not_wait_for_requests_waiting_for_decode(
+    client: BusClient, reference: Engine
+) -> None:
+    """A P->D switch adds decode capacity; it must not wait for the requests that wait for
+    decode capacity (they keep their KV and go on waiting after the flip)."""
+    long_p, waiting_p = _prompts(2, 12, 5, reference.model_config.vocab_size)
+    want = generate(reference, [waiting_p], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    holder = await client.submit("p0", "d0", long_p, 400)
+    await client.wait_until(lambda: len(client.results[holder].token_ids) >= 2, 30.0)
+    waiting = await client.submit("p0", "d0", waiting_p, 20)
+    await _waiting_on(client, "p0")
+    assert (await client.switch("p0", "decode")).ok
+    await client.wait_telemetry(
+        lambda t: (
+            t["p0"].role == "decode"
+            and t["p0"].state == "active"
+            and _metric(t, "p0", "admission_waiting") == 1
+        ),  # flipped while it still waits
+        30.0,
+    )
+    await client.cancel(holder, ["p0", "d0"])  # d0's slot frees: the waiting request runs
+    rec = await client.result(waiting, timeout_s=60)
+    assert rec.finish_reason == "length" and rec.token_ids == want.token_ids, rec.error
+    await client.wait_telemetry(_idle, 30.0)
+    assert (await client.switch("p0", "prefill")).ok
+    await client.wait_telemetry(lambda t: t["p0"].role == "prefill" and _idle(t), 30.0)

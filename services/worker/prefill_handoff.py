@@ -44,6 +44,7 @@ class PrefillHandoff:
     transfer_timeout_s: float
     jobs: dict[str, PrefillJob]
     exports: set[asyncio.Task[None]]
+    handoffs: set[asyncio.Task[None]]
     progress: asyncio.Event
     split_requests_total: int
     handed_off_tokens_total: int
@@ -101,6 +102,10 @@ class PrefillHandoff:
     def _free_local(self, seq_id: str) -> None:
         if self.bm.has_sequence(seq_id):
             self.bm.free_sequence(seq_id)
+
+    def _handoff_done(self, task: asyncio.Task[None]) -> None:
+        self.handoffs.discard(task)
+        self.progress.set()
 
     def _export_done(self, task: asyncio.Task[None]) -> None:
         self.exports.discard(task)

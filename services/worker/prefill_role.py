@@ -104,6 +104,10 @@ class PrefillRole(PrefillHandoff):
         self.queue: deque[PrefillJob] = deque()
         self.jobs: dict[str, PrefillJob] = {}
         self.exports: set[asyncio.Task[None]] = set()
+        # Computed prompts waiting for their decode reservation (KV held here). Not exports:
+        # a P->D switch does not wait for them (after the flip they go on waiting for a
+        # decode peer; only the export that follows an admission is flushed before it).
+        self.handoffs: set[asyncio.Task[None]] = set()
         self.current: PrefillJob | None = None
         self.wakeup = asyncio.Event()
         # Set whenever work leaves this role (a prefill ends, an export ends, the queue is
@@ -180,10 +184,12 @@ class PrefillRole(PrefillHandoff):
                 self.wakeup.clear()
                 continue
             need = self.bm.blocks_for_tokens(self.queue[0].prompt_len)
-            if self.exports and self.bm.num_free_blocks < need <= self.bm.num_usable_blocks:
-                # Earlier prompts still hold our blocks while their KV is on the wire: wait
-                # for one export to end (it frees its blocks) rather than fail this one.
-                await asyncio.wait(list(self.exports), return_when=asyncio.FIRST_COMPLETED)
+            holders = self.exports | self.handoffs
+            if holders and self.bm.num_free_blocks < need <= self.bm.num_usable_blocks:
+                # Earlier prompts still hold our blocks while their KV is on the wire or waits
+                # for a decode reservation: wait for one of them to end (it frees its
+                # blocks) rather than fail this one.
+                await asyncio.wait(list(holders), return_when=asyncio.FIRST_COMPLETED)
                 continue
             job = self.queue.popleft()
             self.current = job
@@ -265,8 +271,8 @@ class PrefillRole(PrefillHandoff):
             await self._admitted(job, admitting, seq_id, prefix_len, first)
             return
         task = asyncio.ensure_future(self._admitted(job, admitting, seq_id, prefix_len, first))
-        self.exports.add(task)  # holds our blocks: the loop waits on it when short of them
-        task.add_done_callback(self._export_done)
+        self.handoffs.add(task)  # holds our blocks: the loop waits on it when short of them
+        task.add_done_callback(self._handoff_done)
 
     def _allocate(self, job: PrefillJob, num_tokens: int) -> str:
         """Local blocks for the prompt's KV. Raises NoFreeBlocksError (nothing held)."""

@@ -207,7 +207,7 @@ class WorkerRuntime(Service):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         prefill = getattr(self, "prefill", None)
-        for task in list(getattr(prefill, "exports", ())):
+        for task in [*getattr(prefill, "exports", ()), *getattr(prefill, "handoffs", ())]:
             task.cancel()
         await self._stack.aclose()
         executor = getattr(self, "executor", None)
