@@ -90,6 +90,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="routers shed above this multiple of the TTFT SLO (0: off)",
     )
     ap.add_argument(
+        "--shed-decode-backlog",
+        type=float,
+        default=1.0,
+        help="routers shed when every decode worker has this many batches waiting (0: off)",
+    )
+    ap.add_argument(
         "--expire-margin-s",
         type=float,
         default=10.0,
@@ -106,6 +112,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--time-scale must be > 0")
     if not (a.shed_ttft_multiple == 0 or a.shed_ttft_multiple >= 1):
         ap.error("--shed-ttft-multiple must be 0 (off) or >= 1")
+    if not a.shed_decode_backlog >= 0:
+        ap.error("--shed-decode-backlog must be >= 0 (0: off)")
     if a.engine == "torch" and a.time_scale != 1.0:
         ap.error("--time-scale applies to the emulated engine only (torch computes for real)")
     return a
@@ -207,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         url=args.url,
         timeout_s=args.timeout_s,
         shed_ttft_multiple=args.shed_ttft_multiple,
+        shed_decode_backlog=args.shed_decode_backlog,
         expire_margin_s=args.expire_margin_s,
     )
     names = ["external"] if args.url else configs_of(args.config)
@@ -237,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.requests,
         "trace_offset_s": args.trace_offset,
         "shed_ttft_multiple": args.shed_ttft_multiple,
+        "shed_decode_backlog": args.shed_decode_backlog,
         "expire_margin_s": args.expire_margin_s,
         "out": str(out_dir),
         "policy_config": policy.to_dict(),

@@ -58,6 +58,7 @@ class RunSpec:
     # Overload (docs/operations.md): the router's shedding multiple (0: off) and the prefill
     # workers' expiry margin in trace seconds (< 0: off).
     shed_ttft_multiple: float = 2.0
+    shed_decode_backlog: float = 1.0
     expire_margin_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -82,6 +83,7 @@ def cluster_spec(spec: RunSpec) -> ClusterSpec:
     worker_args += ("--expire-margin-s", f"{margin:g}")
     router_args: tuple[str, ...] = ("--ttft-slo-ms", f"{spec.slo_ttft_ms * spec.time_scale:g}")
     router_args += ("--shed-ttft-multiple", f"{spec.shed_ttft_multiple:g}")
+    router_args += ("--shed-decode-backlog", f"{spec.shed_decode_backlog:g}")
     if spec.config == "static":
         router_args += ("--pairing", "round_robin")
     return ClusterSpec(
