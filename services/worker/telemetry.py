@@ -199,12 +199,13 @@ class Telemetry:
         reserved_tokens = max(0, held_tokens - active_tokens)
         # Requests we refused for capacity and whose prefill workers keep them waiting are
         # admission demand too: counted as reserved KV and taken slots, so DPI_adm (eq. 8)
-        # shows a decode pool short of capacity instead of a merely full one.
+        # shows a decode pool short of capacity instead of a merely full one (at most 1: a
+        # fraction of the pool, as in the paper).
         waiting = dec.waiting.totals(time.monotonic())
         return DecodeLoad(
             capacity,
             active_tokens,
-            reserved_tokens + waiting.kv_tokens,
+            min(reserved_tokens + waiting.kv_tokens, max(0, capacity - active_tokens)),
             len(dec.runnable),
             admitted_requests=len(dec.requests) + waiting.requests,
             max_requests=dec.max_num_seqs,
