@@ -54,8 +54,11 @@ from shared.policy.pressure import (
     DecodeLoad,
     DecodePressure,
     QueuedRequest,
+    decode_load_from_pool,
     decode_pressure,
+    offered_budget_tokens,
     queue_ppi,
+    suffix_allowance_tokens,
 )
 from shared.policy.window import KeyedWindows
 
@@ -106,25 +109,37 @@ class ControlPlane:
         self.push(t0, E_SAMPLE, None)
 
     # -------------------------------------------------------------- telemetry
-    def decode_signals(self, d: SimWorker, n_peers: int) -> DecodePressure:
-        load = DecodeLoad(
-            d.num_blocks * self.cfg.block_size,
+    def decode_load(self, d: SimWorker) -> DecodeLoad:
+        """The worker's DecodeLoad, by the live worker's formula (decode_load_from_pool)."""
+        bs = self.cfg.block_size
+        return decode_load_from_pool(
+            d.num_blocks * bs,
+            (d.held_blocks + d.reserved_blocks) * bs,
             d.active_tokens(),
-            d.reserved_blocks * self.cfg.block_size,
             d.running,
-            admitted_requests=d.requests,
-            max_requests=self.cfg.max_num_seqs,
-        )
-        return decode_pressure(
-            load, self.profile, self.policy, max(1, n_peers), max_batch=self.cfg.max_num_seqs
+            d.requests,
+            self.cfg.max_num_seqs,
         )
 
-    def steal_allowance(self, d: SimWorker) -> int:
-        """DecodeRole's re-check at admission: its steal budget computed now."""
+    def decode_signals(self, d: SimWorker, n_peers: int) -> DecodePressure:
+        return decode_pressure(
+            self.decode_load(d),
+            self.profile,
+            self.policy,
+            max(1, n_peers),
+            max_batch=self.cfg.max_num_seqs,
+        )
+
+    def steal_allowance(self, d: SimWorker, context_tokens: int) -> int:
+        """DecodeRole's re-check at admission (suffix_allowance_tokens, as the worker)."""
         if d.role != DECODE:
             return 0
         n_peers = sum(1 for w in self.workers if w.role == PREFILL)
-        return int(self.decode_signals(d, n_peers).steal_budget_tokens)
+        sig = self.decode_signals(d, n_peers)
+        offered = offered_budget_tokens(sig.steal_budget_tokens, d.suffix_backlog)
+        return suffix_allowance_tokens(
+            offered, sig.tpot_slack_s, context_tokens, self.profile, self.policy
+        )
 
     def on_telemetry(self) -> None:
         now = self.now
@@ -139,7 +154,8 @@ class ControlPlane:
             if w.role == DECODE:
                 sig = self.decode_signals(w, n_peers)
                 w.dpi_load, w.dpi_adm, w.ppi = sig.dpi_load, sig.dpi_adm, 0.0
-                self.budgets[w.wid] = StealBudget(float(int(sig.steal_budget_tokens)), now)
+                offered = offered_budget_tokens(sig.steal_budget_tokens, w.suffix_backlog)
+                self.budgets[w.wid] = StealBudget(float(int(offered)), now)
                 if cfg.fluidrole:
                     self.ppi_windows.forget(w.wid)
                 continue

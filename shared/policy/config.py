@@ -29,7 +29,10 @@ class PolicyConfig:
     eta: float = 1.25  # η, slack multiplier (eq. 15–16)
     ppi_epsilon_ms: float = 1.0  # ε of eq. 4/11: floor of the remaining-budget denominator
     budget_stale_ms: float = 100.0  # a steal budget older than this counts as 0 (≈5 publishes)
-    budget_context_tokens: int = 0  # L_ctx assumed when inverting T_sfx for the budget (eq. 16)
+    # L_ctx assumed when inverting T_sfx for the advertised budget (eq. 16): a typical prefix.
+    # 0 (the paper's one-argument T_sfx) over-states the allowance for any real prefix; the
+    # admission re-check and the per-iteration chunk use the actual prefix instead.
+    budget_context_tokens: int = 2048
     max_steal_ratio: float = 1.0  # cap on β_i; 1.0 = the paper (whole prompt may be stolen)
     # FluidRole (eq. 20–23).
     ppi_low: float = 0.6
