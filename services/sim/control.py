@@ -10,7 +10,8 @@ Mirrors worker/telemetry.py, controller/status.py + controller.py and worker/swi
   prefill's full T_pre as ``running_remaining_s`` (as the worker does). The controller keeps a
   PPI window per prefill worker (eq. 20's p95) and forgets it when the worker turns decode.
 * Controller: every ``decision_interval_s`` a ClusterSnapshot goes to ``RolePolicy.decide``
-  (eq. 20–23, N_persist, cooldown, one switch at a time, never empty a role).
+  (eq. 20–23, N_persist, cooldown/settling, one decision's moves at a time, never empty a
+  role); every worker the decision names starts its switch at once.
 * Switch: Drain → Switch → Active. P→D hands queued requests round-robin to the other
   Active prefill workers, finishes the running prefill and waits for its link to go idle.
   D→P stops admission and waits for every decode request to finish — or, with
@@ -209,9 +210,10 @@ class ControlPlane:
                 )
             )
         decision = self.role_policy.decide(ClusterSnapshot(tuple(views)), now)
-        if decision.switches and decision.worker_id and decision.target_role:
-            worker = next(w for w in self.workers if w.wid == decision.worker_id)
-            self.start_switch(worker, decision.target_role)
+        if decision.switches and decision.target_role:
+            for wid in decision.worker_ids:  # ADAPTIVE rules may move several at once
+                worker = next(w for w in self.workers if w.wid == wid)
+                self.start_switch(worker, decision.target_role)
         if self.remaining:
             self.push(now + self.policy.decision_interval_s, E_CONTROL, None)
 
