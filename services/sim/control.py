@@ -57,6 +57,7 @@ from shared.policy.pressure import (
     QueuedRequest,
     decode_load_from_pool,
     decode_pressure,
+    dpi_adm,
     offered_budget_tokens,
     queue_ppi,
     suffix_allowance_tokens,
@@ -153,6 +154,10 @@ class ControlPlane:
             w.free_blocks_tel = w.free_blocks
             w.running_tel = w.running
             if w.role == DECODE:
+                if not (cfg.fluidtoken or cfg.fluidrole):
+                    # Pressure pairing alone reads DPI_adm only (eq. 8): skip the rest.
+                    w.dpi_adm, w.ppi = dpi_adm(self.decode_load(w)), 0.0
+                    continue
                 sig = self.decode_signals(w, n_peers)
                 w.dpi_load, w.dpi_adm, w.ppi = sig.dpi_load, sig.dpi_adm, 0.0
                 offered = offered_budget_tokens(sig.steal_budget_tokens, w.suffix_backlog)
