@@ -80,7 +80,7 @@ def test_tiny_sweep_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
             "0",
             "--rps-mixed",
             "20",
-            "--requests",
+            "--requests-mixed",
             "200",
             "--tune-seeds",
             "0",

@@ -50,6 +50,7 @@ class Cell:
     offset_s: float
     rps: float
     tuned: bool
+    requests: int | None = None  # truncation of the workload (None: all of it)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -61,7 +62,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--rps-mixed", default=DEFAULT_RPS[MIXED])
     ap.add_argument("--tune-seeds", default="0,1", help="seeds the policy was tuned on")
     ap.add_argument("--tune-offsets", default="0", help="offsets the policy was tuned on")
-    ap.add_argument("--requests", type=int, default=None, help="truncate each workload")
+    ap.add_argument(
+        "--requests-staged", type=int, default=None, help="truncate azure-staged (3 stages)"
+    )
+    ap.add_argument("--requests-mixed", type=int, default=None, help="truncate azure-mixed")
     ap.add_argument("--jobs", type=int, default=1, help="parallel cells, 1 or 2")
     ap.add_argument("--out", default="", help="JSON lines file, one line per cell")
     add_cluster_args(ap)
@@ -79,7 +83,7 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
     """Every cell of the sweep, in a fixed order. Raises SystemExit on an unknown workload."""
     tune_seeds = {int(s) for s in _floats(args.tune_seeds)}
     tune_offsets = set(_floats(args.tune_offsets))
-    out = []
+    out: list[Cell] = []
     for workload in [w.strip() for w in args.workloads.split(",") if w.strip()]:
         if workload not in WORKLOADS:
             raise SystemExit(f"unknown workload {workload!r}; known: {list(WORKLOADS)}")
@@ -87,19 +91,18 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
         for offset in _floats(args.offsets):
             for seed in [int(s) for s in _floats(args.seeds)]:
                 tuned = seed in tune_seeds and offset in tune_offsets
-                out.extend(Cell(workload, seed, offset, rps, tuned) for rps in rates)
+                requests = args.requests_staged if workload == STAGED else args.requests_mixed
+                out.extend(Cell(workload, seed, offset, rps, tuned, requests) for rps in rates)
     return out
 
 
-def run_cell(
-    cell: Cell, base: SimConfig, profile_name: str, requests: int | None
-) -> dict[str, Any]:
+def run_cell(cell: Cell, base: SimConfig, profile_name: str) -> dict[str, Any]:
     """Every configuration on one cell's trace; joint attainment and counters per config."""
     profile = load_profile(profile_name)
     trace = build_workload(
         cell.workload,
         rps=cell.rps,
-        requests=requests,
+        requests=cell.requests,
         trace_offset_s=cell.offset_s,
         arrival=POISSON,
         seed=cell.seed,
@@ -213,12 +216,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.jobs == 1:
         for cell in cells:
-            done(run_cell(cell, base, args.profile, args.requests))
+            done(run_cell(cell, base, args.profile))
     else:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            futures = [
-                pool.submit(run_cell, cell, base, args.profile, args.requests) for cell in cells
-            ]
+            futures = [pool.submit(run_cell, cell, base, args.profile) for cell in cells]
             for fut in futures:
                 done(fut.result())
     summary = {
@@ -232,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         "goal": f"full >= oracle - {SLACK_PP:g} pp in every cell; full >= oracle where "
         f"oracle < {HOPELESS}",
         "tune": {"seeds": args.tune_seeds, "offsets": args.tune_offsets},
+        "requests": {STAGED: args.requests_staged, MIXED: args.requests_mixed},
         **summarize(rows),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
