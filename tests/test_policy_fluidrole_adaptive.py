@@ -118,3 +118,15 @@ def test_rule_set_is_validated() -> None:
     with pytest.raises(PolicyConfigError):
         PolicyConfig(settle_s=-1.0)
     assert PolicyConfig.from_dict({"rules": "paper"}).rules == PAPER
+
+
+def test_decode_blocking_prefill_moves_by_the_decode_gap() -> None:
+    # 7P1D with the one decode worker's admission saturated: the prefill backlog is decode
+    # backpressure, so PPI̅ does not bound the move (it would allow none); the decode gap
+    # 1·1.0/0.375 − 1 = 1.67 → 2 workers.
+    assert move_size(P2D, 3.0, 0.9, 1.0, 7, 1, CFG) == 1  # bounded by PPI̅ otherwise
+    assert move_size(P2D, 3.0, 0.9, 1.0, 7, 1, CFG, decode_blocked=True) == 2
+    policy = RolePolicy(CFG)
+    d = policy.decide(cluster(ppi=3.0, load=0.9, adm=1.0, n_p=7, n_d=1), 0.0)
+    assert (d.action, d.reason) == (P2D, "decode_admission_blocks_prefill")
+    assert len(d.worker_ids) == 2 and d.target_role == DECODE

@@ -67,6 +67,7 @@ def test_cells_mark_tuning_data() -> None:
     cells = sim_sweep.cells_of(args)
     assert len(cells) == 6
     assert [c.tuned for c in cells] == [True, False, False, False, False, False]
+    assert [(c.seed, c.offset_s) for c in cells[:3]] == [(0, 0.0), (0, 600.0), (1, 0.0)]
 
 
 def test_tiny_sweep_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:

@@ -68,6 +68,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--requests-mixed", type=int, default=None, help="truncate azure-mixed")
     ap.add_argument("--jobs", type=int, default=1, help="parallel cells, 1 or 2")
     ap.add_argument("--out", default="", help="JSON lines file, one line per cell")
+    ap.add_argument(
+        "--summarize",
+        default="",
+        help="run nothing: summarize the cells of this JSON lines file (a finished or partial "
+        "--out of an earlier sweep)",
+    )
     add_cluster_args(ap)
     a = ap.parse_args(argv)
     if a.jobs not in (1, 2):
@@ -88,8 +94,9 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
         if workload not in WORKLOADS:
             raise SystemExit(f"unknown workload {workload!r}; known: {list(WORKLOADS)}")
         rates = _floats(args.rps_staged if workload == STAGED else args.rps_mixed)
-        for offset in _floats(args.offsets):
-            for seed in [int(s) for s in _floats(args.seeds)]:
+        # Seed-major: a sweep cut short still covers every offset of the seeds it reached.
+        for seed in [int(s) for s in _floats(args.seeds)]:
+            for offset in _floats(args.offsets):
                 tuned = seed in tune_seeds and offset in tune_offsets
                 requests = args.requests_staged if workload == STAGED else args.requests_mixed
                 out.extend(Cell(workload, seed, offset, rps, tuned, requests) for rps in rates)
@@ -191,6 +198,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"fluidpd bench sim-sweep: {exc}", file=sys.stderr)
         return 2
+    if args.summarize:
+        lines = Path(args.summarize).read_text(encoding="utf-8").splitlines()
+        rows_in = [json.loads(line) for line in lines if line.strip()]
+        print(json.dumps({"bench": "sim-sweep", "cells": len(rows_in), **summarize(rows_in)}))
+        return 0
     cells = cells_of(args)
     out = Path(args.out) if args.out else None
     if out is not None:

@@ -245,7 +245,10 @@ class RolePolicy:
         source_active = n_d if rec == D2P else n_p
         if source_active < 2:
             return out(NONE, "would_empty_role")
-        k = 1 if cfg.rules == PAPER else move_size(rec, ppi_bar, load_bar, adm_bar, n_p, n_d, cfg)
+        k = 1
+        if cfg.rules != PAPER:
+            blocked = reason == "decode_admission_blocks_prefill"
+            k = move_size(rec, ppi_bar, load_bar, adm_bar, n_p, n_d, cfg, decode_blocked=blocked)
         movers = pick_candidates(workers, rec, max(1, k))
         if not movers:  # unreachable: source_active >= 2
             return out(NONE, "no_candidate")

@@ -10,7 +10,9 @@ the move back:
   |D|·DPI̅_load / (|D| − k) < DPI_load^high and |D|·DPI̅_adm / (|D| − k) < the D→P
   admission guard (fluidrole.adm_guard).
 * P→D: k = ⌈|D|·DPI̅_adm / ADM_mid − |D|⌉, ADM_mid = (DPI_adm^high + guard) / 2, bounded
-  by |P|·PPI̅ / (|P| − k) < PPI_low.
+  by |P|·PPI̅ / (|P| − k) < PPI_low — except when the decode pool's saturated admission is
+  what blocks prefill (``decode_blocked``, fluidrole rule 5): PPI̅ then measures decode
+  backpressure, not prefill work, and taking prefill workers away does not raise it.
 
 At least one worker moves when the rules recommend a move (the recommendation already
 checked k = 1's preconditions, eq. 22–23), at most ``cfg.max_move_workers``, and the
@@ -50,6 +52,8 @@ def move_size(
     n_prefill: int,
     n_decode: int,
     cfg: PolicyConfig,
+    *,
+    decode_blocked: bool = False,
 ) -> int:
     """Workers to move for ``action`` (D2P | P2D) under ADAPTIVE rules (module doc); 0 when
     the source role cannot give any (fewer than 2 Active workers)."""
@@ -68,7 +72,7 @@ def move_size(
             return 0
         mid = 0.5 * (cfg.dpi_adm_high + adm_guard(cfg))
         need = math.ceil(n_decode * dpi_adm_bar / mid - n_decode - 1e-9) if n_decode else 1
-        k_ppi = _largest_k(n_prefill, ppi_bar, cfg.ppi_low, cap)
+        k_ppi = cap if decode_blocked else _largest_k(n_prefill, ppi_bar, cfg.ppi_low, cap)
         k = min(need, k_ppi, cap, n_prefill - 1)
         return max(1, k)
     return 0
