@@ -61,7 +61,12 @@ from shared.tokenizer.models import load_tokenizer
 pytestmark = pytest.mark.timeout(300)
 
 POLICY = PolicyConfig(
-    ttft_ms=150.0, decision_interval_s=0.25, n_persist=2, cooldown_s=3.0, window_s=1.0
+    ttft_ms=150.0,
+    decision_interval_s=0.25,
+    n_persist=2,
+    cooldown_s=3.0,
+    window_s=1.0,
+    settle_s=1.5,  # the ADAPTIVE rules' same-way wait, on this test's compressed clock
 )
 # Decode-heavy, closed loop: CLIENTS clients each send up to PER_CLIENT requests back to
 # back (16-token prompt, DECODE_OUT tokens) for A_S seconds. A fixed concurrency keeps the

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from shared.policy.config import PolicyConfig
+from shared.policy.config import PAPER, PolicyConfig
 from shared.policy.errors import PolicyConfigError
 from shared.policy.fluidrole import (
     D2P,
@@ -23,6 +23,7 @@ from shared.policy.fluidrole import (
 from shared.policy.window import KeyedWindows, SlidingWindow, nearest_rank_percentile
 
 CFG = PolicyConfig(n_persist=3, cooldown_s=10.0)
+PAPER_CFG = dataclasses.replace(CFG, rules=PAPER)
 
 
 def pw(wid: str, ppi: float, running: int = 0, queue: int = 0, state: str = "active") -> WorkerView:
@@ -103,7 +104,7 @@ def test_an_interruption_resets_persistence() -> None:
 
 
 def test_cooldown_then_fresh_persistence() -> None:
-    policy = RolePolicy(CFG)
+    policy = RolePolicy(PAPER_CFG)  # the paper's fixed cooldown (ADAPTIVE: see below)
     for t in (0.0, 1.0):
         policy.decide(PREFILL_HOT, t)
     assert policy.decide(PREFILL_HOT, 2.0).action == D2P

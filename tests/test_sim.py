@@ -4,16 +4,19 @@ churn, conservation (every request once, every KV block back), speed."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
 from services.bench.workloads import TraceRequest, build_workload
 from services.sim import SimConfig, Simulation, config_for, run_config, run_oracle
 from shared.engine.profiles import load_profile
+from shared.policy.admission import SheddingConfig
 from shared.policy.config import PolicyConfig
 
 PROFILE = load_profile()  # the shipped Llama-3.1-8B / A100 profile, untouched
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.1
+NO_SHEDDING = SheddingConfig(ttft_multiple=0.0, expire_margin_s=None)
 
 
 def uniform(
@@ -70,13 +73,16 @@ def burst() -> list[TraceRequest]:
 
 
 def test_fluidtoken_beats_static_on_a_burst_without_hurting_tpot() -> None:
-    base = SimConfig(workers=2)
+    base = SimConfig(workers=2, shedding=NO_SHEDDING)  # FluidToken alone, nothing shed
     off_res = run_config(burst(), "static", base, PROFILE)
     on_res = run_config(burst(), "token", base, PROFILE)
     off = off_res.attainment(SLO_TTFT_S, SLO_TPOT_S, window=1)
     on = on_res.attainment(SLO_TTFT_S, SLO_TPOT_S, window=1)
     assert on_res.stolen_tokens > 0 and on_res.split_requests > 0
-    assert on["ttft_attainment"] >= off["ttft_attainment"] + 0.15
+    # The offered budget excludes suffix work already accepted (the worker's rule, which
+    # the simulator now shares), so one decode worker absorbs about one iteration's slack
+    # at a time: at least one more of the 16 burst requests meets its TTFT.
+    assert on["ttft_attainment"] >= off["ttft_attainment"] + 1 / 16
     for res in (off_res, on_res):  # the steady decodes too
         assert res.attainment(SLO_TTFT_S, SLO_TPOT_S)["tpot_attainment"] >= 0.98
     assert on_res.attainment(SLO_TTFT_S, SLO_TPOT_S)["tpot_attainment"] >= (
@@ -184,10 +190,9 @@ def test_queue_timeout_aborts_requests_that_waited_too_long() -> None:
     # queue waits ~35 s. With a 10 s queue timeout (SGLang aborts after 60 s) the requests
     # still queued after 10 s are dropped without prefill; the rest complete.
     trace = uniform(60, 1000.0, 6000, 4)
-    base = run_config(trace, "static", SimConfig(workers=2), PROFILE)
-    sim = Simulation(
-        trace, config_for("static", SimConfig(workers=2, queue_timeout_s=10.0)), PROFILE
-    )
+    plain = SimConfig(workers=2, shedding=NO_SHEDDING)  # the SGLang-style timeout alone
+    base = run_config(trace, "static", plain, PROFILE)
+    sim = Simulation(trace, config_for("static", replace(plain, queue_timeout_s=10.0)), PROFILE)
     res = sim.run()
     check_conservation(sim)
     failed = sum(1 for r in sim.reqs if r.failed)

@@ -3,7 +3,7 @@ API (streaming), per configuration and request rate, on a fresh local cluster ea
 
 Configurations (FluidPD paper §V): ``static`` = 4P4D, round-robin pairing, no FluidToken,
 no FluidRole; ``token`` = FluidToken only (pressure pairing); ``role`` = FluidRole only;
-``full`` = both; ``oracle`` = every window of the workload run on its own under each static
+``full`` = both; ``static-pressure`` = static with pressure pairing; ``oracle`` = every window of the workload run on its own under each static
 split (``--oracle-splits``, default all 1P7D..7P1D) keeping the best per window.
 
 Time compression (``--time-scale s``): arrivals × s, SLOs × s, and every time coefficient of
@@ -38,10 +38,10 @@ from services.bench.loadgen import PlannedRequest
 from services.bench.replay_run import RunSpec, run_once
 from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, window_of, workload_from_args
 from shared.engine.profiles import load_profile
-from shared.policy.config import PolicyConfig
+from shared.policy.config import ADAPTIVE, PAPER, RULE_SETS, PolicyConfig
 from shared.policy.predictors import LatencyProfile
 
-CONFIGS = ("static", "token", "role", "full", "oracle")
+CONFIGS = ("static", "static-pressure", "token", "role", "full", "oracle")
 
 
 def scaled_profile(profile: LatencyProfile, time_scale: float) -> LatencyProfile:
@@ -51,9 +51,12 @@ def scaled_profile(profile: LatencyProfile, time_scale: float) -> LatencyProfile
     )
 
 
-def scaled_policy(ttft_ms: float, tpot_ms: float, time_scale: float) -> PolicyConfig:
-    """PolicyConfig with the SLOs and the controller's time constants × ``time_scale``."""
-    base = PolicyConfig(ttft_ms=ttft_ms, tpot_ms=tpot_ms)
+def scaled_policy(
+    ttft_ms: float, tpot_ms: float, time_scale: float, rules: str = ADAPTIVE
+) -> PolicyConfig:
+    """PolicyConfig with the SLOs and the controller's time constants × ``time_scale``.
+    Raises PolicyConfigError for an unknown rule set."""
+    base = PolicyConfig(ttft_ms=ttft_ms, tpot_ms=tpot_ms, rules=rules)
     return replace(
         base,
         ttft_ms=ttft_ms * time_scale,
@@ -62,6 +65,7 @@ def scaled_policy(ttft_ms: float, tpot_ms: float, time_scale: float) -> PolicyCo
         window_s=base.window_s * time_scale,
         decision_interval_s=base.decision_interval_s * time_scale,
         cooldown_s=base.cooldown_s * time_scale,
+        settle_s=base.settle_s * time_scale,
     )
 
 
@@ -100,6 +104,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=float,
         default=10.0,
         help="prefill workers drop queued work this long past its deadline (trace s; <0: off)",
+    )
+    ap.add_argument(
+        "--policy",
+        choices=RULE_SETS,
+        default=ADAPTIVE,
+        help="FluidRole rule set of the controller (paper: eq. 22-23 literally, drain by waiting)",
     )
     ap.add_argument("--oracle-splits", default="", help="prefill counts to try, e.g. 3,4,5")
     ap.add_argument("--url", default="", help="replay against this router; start nothing")
@@ -197,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             prof = scaled_profile(prof, s)
         profile_path = str(out_dir / "profile.json")
         Path(profile_path).write_text(prof.to_json() + "\n", encoding="utf-8")
-    policy = scaled_policy(args.slo_ttft_ms, args.slo_tpot_ms, s)
+    policy = scaled_policy(args.slo_ttft_ms, args.slo_tpot_ms, s, args.policy)
     policy_path = str(out_dir / "policy.json")
     Path(policy_path).write_text(policy.to_json() + "\n", encoding="utf-8")
     base = RunSpec(
@@ -217,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         shed_ttft_multiple=args.shed_ttft_multiple,
         shed_decode_backlog=args.shed_decode_backlog,
         expire_margin_s=args.expire_margin_s,
+        paper_rules=args.policy == PAPER,
     )
     names = ["external"] if args.url else configs_of(args.config)
     results: dict[str, dict[str, Any]] = {}

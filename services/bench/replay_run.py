@@ -4,7 +4,9 @@ sample its telemetry, send the workload open-loop, measure, stop, write the file
 Configurations → cluster (mirrors the simulator's ``config_for``): ``static`` — router
 ``--pairing round_robin``, workers ``--no-fluidtoken``, controller ``--no-auto``; ``token`` —
 pressure pairing, FluidToken on, ``--no-auto``; ``role`` — pressure pairing, workers
-``--no-fluidtoken``, controller ``--auto``; ``full`` — FluidToken on and ``--auto``.
+``--no-fluidtoken``, controller ``--auto``; ``full`` — FluidToken on and ``--auto``;
+``static-pressure`` — like static but pressure pairing (pairing's share of the gain).
+With ``paper_rules`` the workers also drain by waiting (``--no-migrate``, the paper's D→P).
 """
 
 from __future__ import annotations
@@ -28,8 +30,14 @@ from services.bench.replay_telemetry import TelemetrySampler, to_trace_time
 from services.common.cluster import Cluster, ClusterSpec
 from services.common.nats_server import free_port
 
-FLUIDTOKEN = {"static": False, "token": True, "role": False, "full": True}
-FLUIDROLE = {"static": False, "token": False, "role": True, "full": True}
+FLUIDTOKEN = {
+    "static": False,
+    "static-pressure": False,
+    "token": True,
+    "role": False,
+    "full": True,
+}
+FLUIDROLE = {"static": False, "static-pressure": False, "token": False, "role": True, "full": True}
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,7 @@ class RunSpec:
     shed_ttft_multiple: float = 2.0
     shed_decode_backlog: float = 1.0
     expire_margin_s: float = 10.0
+    paper_rules: bool = False  # the policy file says rules=paper: drain by waiting
 
     def __post_init__(self) -> None:
         if self.config not in FLUIDTOKEN and not (self.url and self.config == "external"):
@@ -81,6 +90,8 @@ def cluster_spec(spec: RunSpec) -> ClusterSpec:
         worker_args += ("--no-fluidtoken",)
     margin = spec.expire_margin_s * spec.time_scale if spec.expire_margin_s >= 0 else -1.0
     worker_args += ("--expire-margin-s", f"{margin:g}")
+    if spec.paper_rules:
+        worker_args += ("--no-migrate",)
     router_args: tuple[str, ...] = ("--ttft-slo-ms", f"{spec.slo_ttft_ms * spec.time_scale:g}")
     router_args += ("--shed-ttft-multiple", f"{spec.shed_ttft_multiple:g}")
     router_args += ("--shed-decode-backlog", f"{spec.shed_decode_backlog:g}")

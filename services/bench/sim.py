@@ -6,7 +6,8 @@ stdout line, one JSON object::
 
     {"bench": "sim", "workload": ..., "workers": 8, "slo": {...}, "profile": ...,
      "results": {"<config>": {"<rps>": {"ttft_attainment": ..., "tpot_attainment": ...,
-                 "joint_attainment": ..., "requests": n, "failed": n, "switches": n,
+                 "joint_attainment": ..., "requests": n, "failed": n, "rejected": n,
+                 "expired": n, "switches": n,
                  "stolen_tokens": n, "wall_s": s}}},
      "sim_wall_s": total seconds spent simulating}
 
@@ -26,9 +27,79 @@ from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, window_of, wor
 from services.sim.config import CONFIGS, ORACLE, SimConfig
 from services.sim.run import run_config
 from shared.engine.profiles import DEFAULT_PROFILE, load_profile
-from shared.policy.config import PolicyConfig
+from shared.policy.admission import SheddingConfig
+from shared.policy.config import ADAPTIVE, PAPER, RULE_SETS, PolicyConfig
 
 ALL = "all"
+
+
+def add_cluster_args(ap: argparse.ArgumentParser) -> None:
+    """The simulated cluster's flags, shared by ``bench sim`` and ``bench sim-sweep``."""
+    ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument("--max-prompt-tokens", type=int, default=None)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--prefill-workers", type=int, default=0, help="initial; 0 = half")
+    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    ap.add_argument("--profile", default=DEFAULT_PROFILE, help="shipped profile name or path")
+    ap.add_argument("--max-num-seqs", type=int, default=SimConfig.max_num_seqs)
+    ap.add_argument("--kv-gbps", type=float, default=25.0, help="KV link, GB/s")
+    ap.add_argument(
+        "--policy",
+        choices=RULE_SETS,
+        default=ADAPTIVE,
+        help="FluidRole rule set (paper: eq. 22-23 literally, one worker per decision, fixed "
+        "cooldown, D->P drains by waiting)",
+    )
+    ap.add_argument(
+        "--no-migrate",
+        dest="migrate",
+        action="store_false",
+        help="D→P drain waits for running decodes (the paper) instead of live-migrating "
+        "them (the real worker's default)",
+    )
+    ap.add_argument("--first-token-via-decode", action="store_true")
+    ap.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=0.0,
+        help="abort a request still queued for prefill after this long (SGLang: 60); 0 = never",
+    )
+    ap.add_argument(
+        "--shed-ttft-multiple",
+        type=float,
+        default=SheddingConfig().ttft_multiple,
+        help="router sheds a request whose predicted TTFT exceeds this multiple of the TTFT "
+        "SLO (the live default); 0 = never",
+    )
+    ap.add_argument(
+        "--expire-margin-s",
+        type=float,
+        default=SheddingConfig().expire_margin_s,
+        help="prefill drops queued requests this long past their TTFT deadline (the live "
+        "default); negative = never",
+    )
+
+
+def base_config(args: argparse.Namespace) -> SimConfig:
+    """The SimConfig the cluster flags describe. Raises SimConfigError/PolicyConfigError."""
+    policy = PolicyConfig(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, rules=args.policy)
+    margin = args.expire_margin_s
+    return SimConfig(
+        workers=args.workers,
+        prefill_workers=args.prefill_workers,
+        policy=policy,
+        max_num_seqs=args.max_num_seqs,
+        kv_bandwidth_bytes_per_s=args.kv_gbps * 1e9,
+        # The paper drains a D→P worker by waiting for its decodes.
+        migrate_on_drain=args.migrate and args.policy != PAPER,
+        first_token_via_decode=args.first_token_via_decode,
+        queue_timeout_s=args.queue_timeout_s,
+        shedding=SheddingConfig(
+            ttft_multiple=args.shed_ttft_multiple,
+            expire_margin_s=None if margin is None or margin < 0 else margin,
+        ),
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -49,29 +120,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="arrival process (default: poisson for azure-staged, trace for azure-mixed)",
     )
     ap.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
-    ap.add_argument("--time-scale", type=float, default=1.0)
-    ap.add_argument("--max-prompt-tokens", type=int, default=None)
-    ap.add_argument("--workers", type=int, default=8)
-    ap.add_argument("--prefill-workers", type=int, default=0, help="initial; 0 = half")
-    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    ap.add_argument("--profile", default=DEFAULT_PROFILE, help="shipped profile name or path")
-    ap.add_argument("--max-num-seqs", type=int, default=SimConfig.max_num_seqs)
-    ap.add_argument("--kv-gbps", type=float, default=25.0, help="KV link, GB/s")
-    ap.add_argument(
-        "--no-migrate",
-        dest="migrate",
-        action="store_false",
-        help="D→P drain waits for running decodes (the paper) instead of live-migrating "
-        "them (the real worker's default)",
-    )
-    ap.add_argument("--first-token-via-decode", action="store_true")
-    ap.add_argument(
-        "--queue-timeout-s",
-        type=float,
-        default=0.0,
-        help="abort a request still queued for prefill after this long (SGLang: 60); 0 = never",
-    )
+    add_cluster_args(ap)
     ap.add_argument("--out", default="", help="directory for per-run JSON files")
     return ap.parse_args(argv)
 
@@ -87,17 +136,12 @@ def configs_of(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     profile = load_profile(args.profile)
-    policy = PolicyConfig(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
-    base = SimConfig(
-        workers=args.workers,
-        prefill_workers=args.prefill_workers,
-        policy=policy,
-        max_num_seqs=args.max_num_seqs,
-        kv_bandwidth_bytes_per_s=args.kv_gbps * 1e9,
-        migrate_on_drain=args.migrate,
-        first_token_via_decode=args.first_token_via_decode,
-        queue_timeout_s=args.queue_timeout_s,
-    )
+    try:
+        base = base_config(args)
+    except ValueError as exc:  # SimConfigError, PolicyConfigError
+        print(f"fluidpd bench sim: {exc}", file=sys.stderr)
+        return 2
+    policy = base.policy
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -125,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                 "joint_attainment": round(s["joint_attainment"], 4),
                 "requests": s["requests"],
                 "failed": s["failed"],
+                "rejected": s["rejected"],
+                "expired": s["expired"],
                 "switches": s["switches"],
                 "stolen_tokens": s["stolen_tokens"],
                 "per_window_joint": {
@@ -154,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
         "profile": f"{profile.model} on {profile.hardware}",
         "max_num_seqs": args.max_num_seqs,
+        "policy": args.policy,
+        "shedding": {
+            "ttft_multiple": base.shedding.ttft_multiple,
+            "expire_margin_s": base.shedding.expire_margin_s,
+        },
         "results": results,
         "sim_wall_s": round(total_wall, 2),
     }

@@ -16,6 +16,7 @@ _BENCHES = {
     "fluidtoken": "services.bench.fluidtoken",
     "shift": "services.bench.shift",
     "sim": "services.bench.sim",
+    "sim-sweep": "services.bench.sim_sweep",
 }
 
 

@@ -1,4 +1,5 @@
-"""``python -m services.controller --nats URL [--policy-config FILE] [--auto|--no-auto]``."""
+"""``python -m services.controller --nats URL [--policy-config FILE] [--policy adaptive|paper]
+[--auto|--no-auto]``."""
 
 from __future__ import annotations
 
@@ -31,6 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy-config",
         default=env("FLUIDPD_POLICY_CONFIG", ""),
         help="PolicyConfig JSON file (thresholds, N_persist, cooldown, interval)",
+    )
+    p.add_argument(
+        "--policy",
+        default=env("FLUIDPD_POLICY", ""),
+        help="FluidRole rule set: adaptive (default: sized moves, settle-time hysteresis, "
+        "DPI_adm guards) or paper (eq. 22-23 literally, one worker per decision, fixed "
+        "cooldown); overrides the policy config's 'rules'",
     )
     p.add_argument(
         "--decision-interval-s",
@@ -66,6 +74,8 @@ def config_from_args(argv: list[str] | None) -> ControllerConfig:
         policy = PolicyConfig.from_dict(
             {**policy.to_dict(), "decision_interval_s": a.decision_interval_s}
         )
+    if a.policy:  # validated by PolicyConfig (PolicyConfigError: one line, exit 2)
+        policy = PolicyConfig.from_dict({**policy.to_dict(), "rules": a.policy})
     cfg = ControllerConfig(
         nats_url=a.nats,
         nats_user=a.nats_user,

@@ -189,12 +189,14 @@ class Controller(Service):
             "active_prefill": float(decision.active_prefill),
             "active_decode": float(decision.active_decode),
             "workers": float(len(snapshot.workers)),
+            "move_workers": float(len(decision.worker_ids)),
         }
         event = "controller_switch_decided" if decision.switches else "controller_decision"
         log.info(
             event,
             action=decision.action,
             worker_id=decision.worker_id,
+            worker_ids=list(decision.worker_ids),
             target_role=decision.target_role,
             reason=decision.reason,
             recommendation=decision.recommendation,
@@ -215,12 +217,16 @@ class Controller(Service):
             await self.bus.publish(subject, msg)
         except BusError as exc:
             log.warning("controller_publish_failed", error=str(exc))
-        if decision.switches and decision.worker_id and decision.target_role:
-            task = asyncio.create_task(
-                self.send_switch(decision.worker_id, decision.target_role), name="switch"
-            )
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        if decision.switches and decision.target_role:
+            # ADAPTIVE rules may size a move at several workers; PAPER names one.
+            for worker_id in decision.worker_ids or (decision.worker_id,):
+                if not worker_id:
+                    continue
+                task = asyncio.create_task(
+                    self.send_switch(worker_id, decision.target_role), name="switch"
+                )
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
         return decision
 
     async def send_switch(self, worker_id: str, role: str) -> SwitchReply | None:

@@ -3,8 +3,13 @@ transfer → decode). Telemetry, FluidRole and switching are in control.py.
 
 What is modelled, mirroring the real services (file names are the ones mirrored):
 
-* router/pairing.py — each arrival gets a (prefill, decode) pair among Active workers.
-* worker/prefill_role.py — FIFO queue, one request per prefill iteration. At the head:
+* router/pairing.py — each arrival gets a (prefill, decode) pair among Active workers; with
+  shedding on (cfg.shedding, shared/policy/admission.py) a request whose predicted TTFT on
+  its prefill worker (queued T_pre + the running prefill's T_pre + its own) exceeds the
+  multiple of S_TTFT is rejected at the door (``rejected``, not attained).
+* worker/prefill_role.py — FIFO queue, one request per prefill iteration; a request whose
+  TTFT deadline passed by more than the expiry margin is dropped when it reaches the head
+  (``expired``). At the head:
   Algorithm 1 (``select_steal_ratios``, FluidToken configs) over the queue with the freshest
   steal budgets, suffix = min(plan, L − 1); then admission at the paired decode worker,
   retried every 20 ms (batch full) / 50 ms (no blocks) while the request holds the head,
@@ -12,13 +17,19 @@ What is modelled, mirroring the real services (file names are the ones mirrored)
   prefix computes for T_pre(L_pfx) (eq. 2); the first token is streamed at once when nothing
   was stolen; the prefix KV leaves over the worker's link (serialised) at
   ``kv_bytes_per_token × L_pfx / bandwidth`` while the next prefill starts.
-* worker/decode_role.py — admission reserves blocks for min(L + max_tokens, context) and
-  counts toward ``max_num_seqs``; it re-checks a planned steal against its budget now and
-  refuses the steal (not the request) when it exceeds it. Installed requests join the
-  continuous batch at the next iteration; one iteration takes T_iter(N, C) (eq. 13) plus,
-  for up to ``prefill_chunk_tokens`` stolen suffix tokens, T_sfx(chunk, context) each (the
-  emulated engine's cost of a mixed step); a split request's first token comes out of the
-  iteration that runs its last suffix chunk.
+* worker/decode_role.py — admission reserves blocks for pressure.admission_kv_tokens (the
+  prompt plus ``decode_reserve_tokens`` of output, within the context; the worker's
+  formula) and counts toward ``max_num_seqs``; it re-checks a planned steal against
+  pressure.suffix_allowance_tokens now (its budget, capped by what fits in the TPOT slack on
+  the request's real prefix) and refuses the steal (not the request) when it exceeds it.
+  Installed requests join the continuous batch at the next iteration; one iteration takes
+  T_iter(N, C) (eq. 13) plus, for up to pressure.suffix_chunk_tokens stolen suffix tokens
+  (TPOT-safe on the first chunk's prefix; 0 without slack while requests decode),
+  T_sfx(chunk, context) each (the emulated engine's cost of a mixed step); a split request's
+  first token comes out of the iteration that runs its last suffix chunk. Approximation:
+  a request's growth past its reservation is not charged to the block pool (the worker
+  allocates it on demand; with ~400k KV tokens and <= 64 sequences the pool is not the
+  binding limit), while C_active counts every token.
 
 Deviation (documented, deliberate): a queued request whose paired decode worker has left
 the Active decode role (D→P drain) is re-paired to another decode worker when it reaches
@@ -53,10 +64,16 @@ from services.sim.events import (
 from services.sim.results import SimResult
 from services.sim.router import SimRouter
 from services.sim.workers import SimRequest, SimWorker, initial_workers
+from shared.policy.admission import is_expired, predicted_ttft_s, queue_work_s, should_shed
 from shared.policy.fluidrole import DECODE, PREFILL
 from shared.policy.fluidtoken import StealBudget, select_steal_ratios
 from shared.policy.predictors import LatencyProfile
-from shared.policy.pressure import QueuedRequest
+from shared.policy.pressure import (
+    QueuedRequest,
+    admission_kv_tokens,
+    suffix_chunk_tokens,
+    tpot_slack_s,
+)
 
 
 class SimulationError(RuntimeError):
@@ -82,7 +99,13 @@ class Simulation(ControlPlane):
             cfg.workers, cfg.initial_prefill, num_blocks
         )
         self.router = SimRouter(
-            self.workers, cfg.pairing, profile, cfg.policy.ttft_s, cfg.block_size, cfg.max_num_seqs
+            self.workers,
+            cfg.pairing,
+            profile,
+            cfg.policy.ttft_s,
+            cfg.block_size,
+            cfg.max_num_seqs,
+            cfg.decode_reserve_tokens,
         )
         ordered = sorted(trace, key=lambda t: t.arrival_s)
         self.reqs = [
@@ -96,6 +119,7 @@ class Simulation(ControlPlane):
         self.stolen_tokens = 0
         self.split_requests = 0
         self.refused_steals = 0
+        self.shed = cfg.shedding
         self._heap: list[tuple[float, int, int, object, object]] = []
         self._seq = 0
         self._next_arrival = 0
@@ -157,11 +181,24 @@ class Simulation(ControlPlane):
             self.fail(r)
             return
         p = self.router.pick(PREFILL, req=r)
+        if self.shed.sheds and self._hopeless(p, r):
+            r.rejected = True
+            self.fail(r)
+            return
         d = self.router.pick(DECODE, req=r)
         r.pw, r.dw, r.decode_id = p.index, d.index, d.wid
         p.queue.append(r)
         if p.current is None:
             self.prefill_next(p)
+
+    def _hopeless(self, p: SimWorker, r: SimRequest) -> bool:
+        """The router's door check: predicted TTFT on ``p`` over the shedding threshold."""
+        profile = self.profile
+        running_s = profile.prefill_time_s(p.current.prompt) if p.current is not None else 0.0
+        ahead_s = queue_work_s((x.prompt for x in p.queue), profile, running_remaining_s=running_s)
+        return should_shed(
+            predicted_ttft_s(ahead_s, r.prompt, profile), self.policy.ttft_s, self.shed
+        )
 
     def fail(self, r: SimRequest) -> None:
         r.failed = True
@@ -176,6 +213,10 @@ class Simulation(ControlPlane):
             r = w.queue.popleft()
             if timeout and self.now - r.arrival_s > timeout:
                 self.fail(r)  # aborted before its prefill started (no work done)
+                continue
+            if is_expired(r.arrival_s + self.policy.ttft_s, self.now, self.shed):
+                r.expired = True
+                self.fail(r)
                 continue
             w.current = r
             self._try_admit(w, r, True)
@@ -210,16 +251,18 @@ class Simulation(ControlPlane):
             retry = cfg.retry_batch_full_s
         else:
             sfx = r.planned_suffix
-            if sfx > 0 and sfx > self.steal_allowance(d):
+            if sfx > 0 and sfx > self.steal_allowance(d, r.prompt - sfx):
                 sfx = 0  # DecodeRole.admit refuses the steal, not the request
                 self.refused_steals += 1
             bs = cfg.block_size
-            blocks = -(-min(r.prompt + r.output, self._max_ctx) // bs)
+            kv = admission_kv_tokens(r.prompt, r.output, cfg.decode_reserve_tokens, self._max_ctx)
+            blocks = -(-kv // bs)
             if d.free_blocks >= blocks:
                 d.reserved_blocks += blocks
                 d.requests += 1
                 d.receiving += 1
                 r.blocks, r.suffix, r.prefix = blocks, sfx, r.prompt - sfx
+                d.suffix_backlog += sfx
                 self.push(now + self.profile.prefill_time_s(r.prefix), E_PREFILL_DONE, w, r)
                 return
             retry = cfg.retry_no_blocks_s
@@ -281,7 +324,16 @@ class Simulation(ControlPlane):
         c = d.s_ctx + n * d.k
         t = 0.0
         if d.suffixes:
-            budget = self.cfg.prefill_chunk_tokens
+            first = d.suffixes[0]
+            slack = tpot_slack_s(self.decode_load(d), self.profile, self.policy)
+            budget = suffix_chunk_tokens(
+                slack,
+                first.prefix + first.sfx_done,
+                self.profile,
+                self.policy,
+                decoding=n > 0,
+                idle_chunk_tokens=self.cfg.prefill_chunk_tokens,
+            )
             chunks = d.iter_chunks
             profile = self.profile
             for r in d.suffixes:
@@ -320,6 +372,7 @@ class Simulation(ControlPlane):
         if d.iter_chunks:
             for r, chunk in d.iter_chunks:
                 r.sfx_done += chunk
+                d.suffix_backlog -= chunk
                 if r.sfx_done < r.suffix:
                     continue
                 d.suffixes.remove(r)

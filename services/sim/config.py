@@ -12,14 +12,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from shared.policy.admission import SheddingConfig
 from shared.policy.config import PolicyConfig
 
 STATIC = "static"  # fixed split, round robin, no stealing, no switching (SGLang-like baseline)
+# Fixed split, pressure pairing, no stealing, no switching: pairing's share of the gain.
+STATIC_PRESSURE = "static-pressure"
 TOKEN = "token"  # FluidToken only
 ROLE = "role"  # FluidRole only
 FULL = "full"  # FluidToken + FluidRole
 ORACLE = "oracle"  # best static split per window in hindsight (run.py)
-CONFIGS = (STATIC, TOKEN, ROLE, FULL)
+CONFIGS = (STATIC, STATIC_PRESSURE, TOKEN, ROLE, FULL)
 PAIRINGS = ("round_robin", "pressure")
 
 
@@ -41,7 +44,12 @@ class SimConfig:
     block_size: int = 16
     num_kv_blocks: int = 0  # per worker; 0 = the profile's capacity
     max_num_seqs: int = 64  # decode admission limit and N_TPOT cap (WorkerConfig)
-    prefill_chunk_tokens: int = 512  # suffix tokens one decode iteration runs (DecodeRole)
+    # Suffix tokens one decode iteration runs when no request decodes (DecodeRole); while
+    # requests decode, the TPOT-safe chunk of pressure.suffix_chunk_tokens (as the worker).
+    prefill_chunk_tokens: int = 512
+    # Output tokens admission reserves beyond the prompt (WorkerConfig.decode_reserve_tokens,
+    # the one formula pressure.admission_kv_tokens); longer outputs grow while decoding.
+    decode_reserve_tokens: int = 256
     telemetry_interval_s: float = 0.02  # WorkerConfig.telemetry_interval_s
     # Admission (services/worker/admission.py / DecodeRole.admit): retry periods and the give-up.
     admit_timeout_s: float = 5.0
@@ -51,6 +59,9 @@ class SimConfig:
     # SGLang-style abort of a request still queued for prefill this long after arrival (the
     # paper's baseline cancels after 60 s, §V-C); 0 = never (our router and workers).
     queue_timeout_s: float = 0.0
+    # SLO-aware admission (shared/policy/admission.py, the live router's and prefill
+    # worker's defaults): shed at the door, drop queued work past deadline + margin.
+    shedding: SheddingConfig = field(default_factory=SheddingConfig)
     # KV transfer (modelling choice): one link per source worker, transfers serialised on it.
     kv_bandwidth_bytes_per_s: float = 25e9  # ~NVLink-class per-GPU bandwidth
     kv_transfer_overhead_s: float = 0.0  # fixed per transfer (envelope, validation, RTT)
@@ -77,6 +88,8 @@ class SimConfig:
         for name in ints:
             if getattr(self, name) < 1:
                 raise SimConfigError(f"{name} must be >= 1")
+        if self.decode_reserve_tokens < 0:
+            raise SimConfigError("decode_reserve_tokens must be >= 0")
         if self.num_kv_blocks < 0:
             raise SimConfigError("num_kv_blocks must be >= 0")
         positive = (
@@ -108,11 +121,14 @@ class SimConfig:
 
 
 def config_for(name: str, base: SimConfig | None = None) -> SimConfig:
-    """The paper's configuration ``name`` (static | token | role | full) on top of ``base``
+    """The paper's configuration ``name`` (static | static-pressure | token | role | full)
+    on top of ``base``
     (cluster size, SLOs, link...). Raises SimConfigError for an unknown name."""
     base = base or SimConfig()
     if name == STATIC:
         return replace(base, fluidtoken=False, fluidrole=False, pairing="round_robin")
+    if name == STATIC_PRESSURE:
+        return replace(base, fluidtoken=False, fluidrole=False, pairing="pressure")
     if name == TOKEN:
         return replace(base, fluidtoken=True, fluidrole=False, pairing="pressure")
     if name == ROLE:

@@ -10,7 +10,8 @@ Mirrors worker/telemetry.py, controller/status.py + controller.py and worker/swi
   prefill's full T_pre as ``running_remaining_s`` (as the worker does). The controller keeps a
   PPI window per prefill worker (eq. 20's p95) and forgets it when the worker turns decode.
 * Controller: every ``decision_interval_s`` a ClusterSnapshot goes to ``RolePolicy.decide``
-  (eq. 20–23, N_persist, cooldown, one switch at a time, never empty a role).
+  (eq. 20–23, N_persist, cooldown/settling, one decision's moves at a time, never empty a
+  role); every worker the decision names starts its switch at once.
 * Switch: Drain → Switch → Active. P→D hands queued requests round-robin to the other
   Active prefill workers, finishes the running prefill and waits for its link to go idle.
   D→P stops admission and waits for every decode request to finish — or, with
@@ -54,8 +55,12 @@ from shared.policy.pressure import (
     DecodeLoad,
     DecodePressure,
     QueuedRequest,
+    decode_load_from_pool,
     decode_pressure,
+    dpi_adm,
+    offered_budget_tokens,
     queue_ppi,
+    suffix_allowance_tokens,
 )
 from shared.policy.window import KeyedWindows
 
@@ -106,25 +111,37 @@ class ControlPlane:
         self.push(t0, E_SAMPLE, None)
 
     # -------------------------------------------------------------- telemetry
-    def decode_signals(self, d: SimWorker, n_peers: int) -> DecodePressure:
-        load = DecodeLoad(
-            d.num_blocks * self.cfg.block_size,
+    def decode_load(self, d: SimWorker) -> DecodeLoad:
+        """The worker's DecodeLoad, by the live worker's formula (decode_load_from_pool)."""
+        bs = self.cfg.block_size
+        return decode_load_from_pool(
+            d.num_blocks * bs,
+            (d.held_blocks + d.reserved_blocks) * bs,
             d.active_tokens(),
-            d.reserved_blocks * self.cfg.block_size,
             d.running,
-            admitted_requests=d.requests,
-            max_requests=self.cfg.max_num_seqs,
-        )
-        return decode_pressure(
-            load, self.profile, self.policy, max(1, n_peers), max_batch=self.cfg.max_num_seqs
+            d.requests,
+            self.cfg.max_num_seqs,
         )
 
-    def steal_allowance(self, d: SimWorker) -> int:
-        """DecodeRole's re-check at admission: its steal budget computed now."""
+    def decode_signals(self, d: SimWorker, n_peers: int) -> DecodePressure:
+        return decode_pressure(
+            self.decode_load(d),
+            self.profile,
+            self.policy,
+            max(1, n_peers),
+            max_batch=self.cfg.max_num_seqs,
+        )
+
+    def steal_allowance(self, d: SimWorker, context_tokens: int) -> int:
+        """DecodeRole's re-check at admission (suffix_allowance_tokens, as the worker)."""
         if d.role != DECODE:
             return 0
         n_peers = sum(1 for w in self.workers if w.role == PREFILL)
-        return int(self.decode_signals(d, n_peers).steal_budget_tokens)
+        sig = self.decode_signals(d, n_peers)
+        offered = offered_budget_tokens(sig.steal_budget_tokens, d.suffix_backlog)
+        return suffix_allowance_tokens(
+            offered, sig.tpot_slack_s, context_tokens, self.profile, self.policy
+        )
 
     def on_telemetry(self) -> None:
         now = self.now
@@ -137,9 +154,14 @@ class ControlPlane:
             w.free_blocks_tel = w.free_blocks
             w.running_tel = w.running
             if w.role == DECODE:
+                if not (cfg.fluidtoken or cfg.fluidrole):
+                    # Pressure pairing alone reads DPI_adm only (eq. 8): skip the rest.
+                    w.dpi_adm, w.ppi = dpi_adm(self.decode_load(w)), 0.0
+                    continue
                 sig = self.decode_signals(w, n_peers)
                 w.dpi_load, w.dpi_adm, w.ppi = sig.dpi_load, sig.dpi_adm, 0.0
-                self.budgets[w.wid] = StealBudget(float(int(sig.steal_budget_tokens)), now)
+                offered = offered_budget_tokens(sig.steal_budget_tokens, w.suffix_backlog)
+                self.budgets[w.wid] = StealBudget(float(int(offered)), now)
                 if cfg.fluidrole:
                     self.ppi_windows.forget(w.wid)
                 continue
@@ -193,9 +215,10 @@ class ControlPlane:
                 )
             )
         decision = self.role_policy.decide(ClusterSnapshot(tuple(views)), now)
-        if decision.switches and decision.worker_id and decision.target_role:
-            worker = next(w for w in self.workers if w.wid == decision.worker_id)
-            self.start_switch(worker, decision.target_role)
+        if decision.switches and decision.target_role:
+            for wid in decision.worker_ids:  # ADAPTIVE rules may move several at once
+                worker = next(w for w in self.workers if w.wid == wid)
+                self.start_switch(worker, decision.target_role)
         if self.remaining:
             self.push(now + self.policy.decision_interval_s, E_CONTROL, None)
 

@@ -3,7 +3,9 @@
 Paper definitions (§V-A): TTFT = first token time − arrival; TPOT = (last token time − first
 token time) / (output_tokens − 1) (0 for a one-token output); a request attains the TTFT
 (TPOT) SLO when its TTFT (TPOT) is at most the SLO, and the joint SLO when it attains both.
-A failed request (admission given up, prompt over the context) attains neither.
+A failed request (admission given up, prompt over the context) attains neither; so does a
+request shed at the router (``rejected``) or dropped from a prefill queue past its deadline
+(``expired``), which are also counted separately.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class SimResult:
     window: list[int]
     source: list[str]
     failed: list[bool]
+    rejected: list[bool] = field(default_factory=list)
+    expired: list[bool] = field(default_factory=list)
     switches: list[dict[str, Any]] = field(default_factory=list)
     stolen_tokens: int = 0
     split_requests: int = 0
@@ -58,6 +62,8 @@ class SimResult:
             window=[r.window for r in sim.reqs],
             source=[r.source for r in sim.reqs],
             failed=[r.failed for r in sim.reqs],
+            rejected=[r.rejected for r in sim.reqs],
+            expired=[r.expired for r in sim.reqs],
             switches=list(sim.switches),
             stolen_tokens=sim.stolen_tokens,
             split_requests=sim.split_requests,
@@ -125,7 +131,11 @@ class SimResult:
         out["per_window"] = {
             str(w): self.attainment(ttft_slo_s, tpot_slo_s, w) for w in self.windows()
         }
+        n_rej, n_exp = sum(self.rejected), sum(self.expired)
         out.update(
+            failed=out["failed"] - n_rej - n_exp,
+            rejected=n_rej,
+            expired=n_exp,
             switches=sum(1 for s in self.switches if not s.get("cancelled")),
             cancelled_switches=sum(1 for s in self.switches if s.get("cancelled")),
             stolen_tokens=self.stolen_tokens,
@@ -167,6 +177,8 @@ def stitch(label: str, parts: list[SimResult], notes: dict[str, Any]) -> SimResu
         out.window += p.window
         out.source += p.source
         out.failed += p.failed
+        out.rejected += p.rejected
+        out.expired += p.expired
         out.stolen_tokens += p.stolen_tokens
         out.sim_time_s = max(out.sim_time_s, p.sim_time_s)
         out.wall_s += p.wall_s

@@ -18,8 +18,8 @@ and the stale-telemetry fallback never applies. A tick shows here as the worker'
 ``sent_since`` counter reset to 0 (control.py). Settled pairings are pruned off the front of
 each decode worker's list (pairing order), so one settled behind an unsettled one counts a
 little longer than in the real router (an approximation that keeps a pick O(workers)). The
-decode reservation counted is exactly what admission will reserve (prompt + output, capped
-by the context: the simulated request's output is its max_tokens).
+decode reservation counted is exactly what admission will reserve (admission_kv_tokens, the
+worker's formula; the simulated request's output is its max_tokens).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from services.router.pairing import decode_score, prefill_score
 from services.sim.workers import SimRequest, SimWorker
 from shared.policy.fluidrole import DECODE, PREFILL
 from shared.policy.predictors import LatencyProfile
+from shared.policy.pressure import admission_kv_tokens
 
 
 class NoActiveWorker(RuntimeError):
@@ -47,6 +48,7 @@ class SimRouter:
         ttft_s: float = 2.0,
         block_size: int = 16,
         max_num_seqs: int = 0,
+        decode_reserve_tokens: int = 256,
     ) -> None:
         self.workers = workers
         self.pressure = pairing == "pressure"
@@ -54,6 +56,7 @@ class SimRouter:
         self.ttft_s = ttft_s
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
+        self.decode_reserve_tokens = decode_reserve_tokens
         self._cursor = {PREFILL: 0, DECODE: 0}
         # Since each worker's last telemetry (valid while its sent_since > 0).
         self._sent_work_s = [0.0] * len(workers)
@@ -123,7 +126,9 @@ class SimRouter:
         best = min(ids, key=key)
         best.sent_since += 1
         if req is not None and self.profile is not None:
-            tokens = min(req.prompt + req.output, self.profile.max_context_tokens)
+            tokens = admission_kv_tokens(
+                req.prompt, req.output, self.decode_reserve_tokens, self.profile.max_context_tokens
+            )
             blocks = -(-tokens // self.block_size)
             self._pending[best.index].append((req, blocks))
             pend[best.index] += blocks

@@ -30,6 +30,7 @@ class SimRequest:
         "done",
         "dw",
         "epoch",
+        "expired",
         "failed",
         "give_up_s",
         "idx",
@@ -44,6 +45,7 @@ class SimRequest:
         "prompt",
         "prompt_tokens",
         "pw",
+        "rejected",
         "request_id",
         "sfx_done",
         "source",
@@ -83,7 +85,9 @@ class SimRequest:
         self.epoch = 0
         self.t_first = -1.0
         self.t_last = -1.0
-        self.failed = False
+        self.failed = False  # not completed (any reason below included)
+        self.rejected = False  # shed at the router's door (admission.should_shed)
+        self.expired = False  # dropped from a prefill queue past deadline + margin
         self.done = False
 
 
@@ -119,6 +123,7 @@ class SimWorker:
         self.pending_tokens = 0
         self.suffixes: list[SimRequest] = []  # split requests running their suffix
         self.suffix_tokens = 0  # Σ prompt of those (their num_tokens)
+        self.suffix_backlog = 0  # accepted suffix tokens not computed yet (incl. receiving)
         self.iter_chunks: list[tuple[SimRequest, int]] = []
         # Latest telemetry (what peers, the router and the controller see).
         self.ppi = 0.0

@@ -72,7 +72,7 @@ class DecodeRole(DecodeIntake):
         self.decode_reserve_tokens = decode_reserve_tokens
         self.capacity_failures_total = 0
         self._suffix_budget = suffix_budget
-        self.chunk_budget: Callable[[], int] | None = None
+        self.chunk_budget: Callable[[int, bool], int] | None = None
         self.requests: dict[str, DecodeRequest] = {}
         self.migrated_to: dict[str, str] = {}  # request id -> peer that now decodes it
         self._cancelled: dict[str, None] = {}  # ids cancelled before their admit arrived
@@ -162,17 +162,23 @@ class DecodeRole(DecodeIntake):
         reqs: list[DecodeRequest] = []
         stalled: list[DecodeRequest] = []
         # Prompt-chunk tokens (stolen suffixes, local prompts) this iteration may carry: the
-        # TPOT-safe suffix length (eq. 16) when the policy provides it.
-        prefill_budget = max(
-            1, self.chunk_budget() if self.chunk_budget else self.prefill_chunk_tokens
-        )
+        # TPOT-safe chunk on the first chunk's prefix (eq. 16) when the policy provides it —
+        # 0 when there is no slack while others decode (no minimum chunk).
+        prefill_budget: int | None = None if self.chunk_budget else self.prefill_chunk_tokens
         for req in self.runnable:
             if req.migrating:
                 continue
             seq = req.seq
             pending = seq.pending_token_ids()
             if len(pending) > 1:  # a suffix or a local prompt: chunked prefill
-                if prefill_budget <= 0:
+                if prefill_budget is None and self.chunk_budget is not None:
+                    decoding = any(
+                        len(r.seq.pending_token_ids()) <= 1
+                        for r in self.runnable
+                        if not r.migrating
+                    )
+                    prefill_budget = self.chunk_budget(seq.num_cached_tokens, decoding)
+                if not prefill_budget or prefill_budget <= 0:
                     continue
                 chunk = pending[:prefill_budget]
                 prefill_budget -= len(chunk)

@@ -27,7 +27,16 @@ from shared.policy.admission import queue_work_s
 from shared.policy.config import PolicyConfig
 from shared.policy.fluidtoken import StealBudget, select_steal_ratios
 from shared.policy.predictors import LatencyProfile
-from shared.policy.pressure import DecodeLoad, QueuedRequest, decode_pressure, queue_ppi
+from shared.policy.pressure import (
+    DecodeLoad,
+    QueuedRequest,
+    decode_load_from_pool,
+    decode_pressure,
+    offered_budget_tokens,
+    queue_ppi,
+    suffix_allowance_tokens,
+    suffix_chunk_tokens,
+)
 from shared.policy.recalibration import OnlineRecalibrator
 
 if TYPE_CHECKING:
@@ -35,7 +44,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-_MIN_CHUNK_TOKENS = 32
 _PEER_FRESH_S = 2.0  # a prefill worker unheard of for this long no longer shares budgets
 
 
@@ -62,6 +70,7 @@ class Telemetry:
         self.dpi_adm = 0.0
         self.steal_budget_tokens = 0.0
         self.max_suffix_tokens = 0.0
+        self.tpot_slack_s = 0.0
         self._task: asyncio.Task[None] | None = None
         self._peers_sub: ServeHandle | None = None
         self._peers_role = ""
@@ -81,10 +90,18 @@ class Telemetry:
             self.rt.decode._suffix_budget = self.suffix_allowance
             self.rt.decode.chunk_budget = self.chunk_tokens
 
-    def chunk_tokens(self) -> int:
-        """Prompt-chunk tokens one decode iteration may run without breaking TPOT (eq. 16);
-        at least a minimum chunk so that queued suffixes always progress."""
-        return max(_MIN_CHUNK_TOKENS, int(self.max_suffix_tokens))
+    def chunk_tokens(self, context_tokens: int, decoding: bool) -> int:
+        """Prompt-chunk tokens one decode iteration may run on a prefix of ``context_tokens``
+        without breaking TPOT (eq. 16, shared with the simulator): 0 when there is no slack
+        while requests decode; the configured chunk when nothing decodes."""
+        return suffix_chunk_tokens(
+            self.tpot_slack_s,
+            context_tokens,
+            self.profile,
+            self.policy,
+            decoding=decoding,
+            idle_chunk_tokens=self.rt.decode.prefill_chunk_tokens,
+        )
 
     async def start(self) -> None:
         await self.follow_role(self.rt.role)
@@ -161,7 +178,9 @@ class Telemetry:
         if self.rt.cfg.force_steal_ratio >= 0 or forced:
             return 1 << 30
         self._refresh_decode()
-        return int(self.steal_budget_tokens)
+        return suffix_allowance_tokens(
+            self.steal_budget_tokens, self.tpot_slack_s, context_tokens, self.profile, self.policy
+        )
 
     # ------------------------------------------------------------ observations
     def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
@@ -192,23 +211,18 @@ class Telemetry:
         dec = self.rt.decode
         bm = self.rt.engine.block_manager
         capacity = bm.num_usable_blocks * bm.block_size
-        active_tokens = sum(r.seq.num_tokens for r in dec.runnable)
-        # C_reserved: everything held but not yet filled (pending transfers and the decode
-        # horizon installed requests hold), so that C_alloc (eq. 6) is exactly the free pool.
-        held_tokens = capacity - bm.num_free_blocks * bm.block_size
-        reserved_tokens = max(0, held_tokens - active_tokens)
-        # Requests we refused for capacity and whose prefill workers keep them waiting are
-        # admission demand too: counted as reserved KV and taken slots, so DPI_adm (eq. 8)
-        # shows a decode pool short of capacity instead of a merely full one (at most 1: a
-        # fraction of the pool, as in the paper).
+        # C_reserved = held − active (shared with the simulator: decode_load_from_pool), plus
+        # the requests our prefill peers keep waiting for our capacity.
         waiting = dec.waiting.totals(time.monotonic())
-        return DecodeLoad(
+        return decode_load_from_pool(
             capacity,
-            active_tokens,
-            min(reserved_tokens + waiting.kv_tokens, max(0, capacity - active_tokens)),
+            capacity - bm.num_free_blocks * bm.block_size,
+            sum(r.seq.num_tokens for r in dec.runnable),
             len(dec.runnable),
-            admitted_requests=len(dec.requests) + waiting.requests,
-            max_requests=dec.max_num_seqs,
+            len(dec.requests),
+            dec.max_num_seqs,
+            waiting_kv_tokens=waiting.kv_tokens,
+            waiting_requests=waiting.requests,
         )
 
     def _refresh_decode(self) -> None:
@@ -226,9 +240,10 @@ class Telemetry:
         # Suffix work already accepted and not yet run uses up the same TPOT slack: the
         # budget we offer (and re-check) is what is left of one iteration's worth (eq. 16-17).
         pending = self.rt.decode.pending_prompt_tokens()
-        budget = max(0.0, pressure.steal_budget_tokens - pending)
+        budget = offered_budget_tokens(pressure.steal_budget_tokens, pending)
         self.steal_budget_tokens = budget if self.rt.role == "decode" else 0.0
         self.max_suffix_tokens = pressure.max_suffix_tokens
+        self.tpot_slack_s = pressure.tpot_slack_s
 
     def _refresh_prefill(self) -> None:
         pf = self.rt.prefill

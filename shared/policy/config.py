@@ -16,6 +16,14 @@ from typing import Any
 
 from shared.policy.errors import PolicyConfigError
 
+# FluidRole rule sets (PolicyConfig.rules). PAPER: eq. 22–23 literally, one worker per
+# decision, a fixed cooldown. ADAPTIVE (default): sized moves and settle-time hysteresis
+# (shared/policy/fluidrole_sizing.py) plus the DPI_adm extensions (fluidrole.recommend).
+PAPER = "paper"
+ADAPTIVE = "adaptive"
+RULE_SETS = (ADAPTIVE, PAPER)
+_STRINGS = ("model", "rules")
+
 
 @dataclass(frozen=True, slots=True)
 class PolicyConfig:
@@ -29,9 +37,13 @@ class PolicyConfig:
     eta: float = 1.25  # η, slack multiplier (eq. 15–16)
     ppi_epsilon_ms: float = 1.0  # ε of eq. 4/11: floor of the remaining-budget denominator
     budget_stale_ms: float = 100.0  # a steal budget older than this counts as 0 (≈5 publishes)
-    budget_context_tokens: int = 0  # L_ctx assumed when inverting T_sfx for the budget (eq. 16)
+    # L_ctx assumed when inverting T_sfx for the advertised budget (eq. 16): a typical prefix.
+    # 0 (the paper's one-argument T_sfx) over-states the allowance for any real prefix; the
+    # admission re-check and the per-iteration chunk use the actual prefix instead.
+    budget_context_tokens: int = 2048
     max_steal_ratio: float = 1.0  # cap on β_i; 1.0 = the paper (whole prompt may be stolen)
     # FluidRole (eq. 20–23).
+    rules: str = ADAPTIVE  # ADAPTIVE | PAPER, see RULE_SETS above
     ppi_low: float = 0.6
     ppi_high: float = 1.0
     dpi_load_high: float = 0.6  # also the FluidToken eligibility bound of eq. 12/17
@@ -41,15 +53,21 @@ class PolicyConfig:
     dpi_adm_blocking: float = 0.9
     n_persist: int = 3  # consecutive agreeing decision intervals before a switch
     cooldown_s: float = 20.0  # T_cooldown after a switch (D→P drain can take ~12 s, §V-H)
+    # ADAPTIVE only. cooldown_s then guards only a move *against* the last one; a further
+    # move the same way waits settle_s after every switched worker is Active again (the
+    # time its effect needs to show in the signals: the PPI p95 window, eq. 20, plus a
+    # margin). A decision moves up to max_move_workers workers at once (sizing module).
+    settle_s: float = 6.0
+    max_move_workers: int = 2
     window_s: float = 5.0  # observation window of the PPI p95 (eq. 20)
     decision_interval_s: float = 1.0  # how often the controller calls RolePolicy.decide
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "model":
+            if f.name in _STRINGS:
                 if not isinstance(value, str):
-                    raise PolicyConfigError("policy config: model must be a string")
+                    raise PolicyConfigError(f"policy config: {f.name} must be a string")
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise PolicyConfigError(f"policy config: {f.name} must be a number")
@@ -74,6 +92,7 @@ class PolicyConfig:
             "dpi_adm_high",
             "dpi_adm_blocking",
             "cooldown_s",
+            "settle_s",
             "budget_context_tokens",
         ):
             if getattr(self, name) < 0:
@@ -82,6 +101,10 @@ class PolicyConfig:
             raise PolicyConfigError("policy config: max_steal_ratio must be in [0, 1]")
         if self.ppi_low > self.ppi_high:
             raise PolicyConfigError("policy config: ppi_low must not exceed ppi_high")
+        if self.rules not in RULE_SETS:
+            raise PolicyConfigError(f"policy config: rules must be one of {list(RULE_SETS)}")
+        if not isinstance(self.max_move_workers, int) or self.max_move_workers < 1:
+            raise PolicyConfigError("policy config: max_move_workers must be an int >= 1")
         if not isinstance(self.n_persist, int) or self.n_persist < 1:
             raise PolicyConfigError("policy config: n_persist must be an int >= 1")
         if not isinstance(self.budget_context_tokens, int):

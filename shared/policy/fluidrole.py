@@ -4,11 +4,20 @@ The controller builds a ``ClusterSnapshot`` every decision interval (cfg.decisio
 and calls ``RolePolicy.decide(snapshot, now_s)``; the returned ``Decision`` carries every
 input and the reason, for logging, whether or not it switches.
 
+Two rule sets (``cfg.rules``): PAPER applies eq. 22–23 literally and moves one worker per
+decision after a fixed cooldown; ADAPTIVE (the default) adds the DPI_adm extensions of
+rule 5, sizes a move (shared/policy/fluidrole_sizing.py) and replaces the fixed cooldown
+by settle-time hysteresis (rule 3). docs/results.md says where and why they differ.
+
 Rules, in the order they are checked:
 
 1. paused (operator ``fluidpd ctl policy pause``) → no switch.
-2. a switch in progress (any worker in Drain or Switch) → no switch: one at a time.
-3. within T_cooldown of the last switch → no switch.
+2. a switch in progress (any worker in Drain or Switch) → no switch: one decision's moves
+   at a time.
+3. PAPER: within T_cooldown of the last switch → no switch. ADAPTIVE: a move the same way
+   as the last one waits ``settle_s`` after the last moment a worker was seen in transit
+   (its effect must first show in the windowed signals); a move against the last one waits
+   ``cooldown_s`` from then (oscillation guard).
    In 1–3 the persistence counter is reset, so a switch needs N_persist fresh intervals
    after the cooldown (signals measured mid-transition do not count).
 4. aggregates over Active workers only: PPI̅ = max_p PPI^95(p) (eq. 20); DPI̅_load, DPI̅_adm =
@@ -19,11 +28,13 @@ Rules, in the order they are checked:
    guard fails (DPI̅_load >= DPI_load^high), both phases are pressured → no switch (reason
    ``both_phases_pressured``: insufficient aggregate capacity, a case for admission control).
    Decode pressured while prefill sits in the hysteresis band [PPI_low, PPI_high] →
-   ``prefill_not_idle``. The equations are applied literally: a high DPI̅_adm does not block
-   eq. 22 when DPI̅_load is below its threshold.
+   ``prefill_not_idle``. ADAPTIVE only: eq. 22 also needs DPI̅_adm below the admission
+   guard, and a saturated decode admission (DPI̅_adm >= DPI_adm^blocking) under prefill
+   pressure recommends P→D (``decode_admission_blocks_prefill``).
 6. the same recommendation must hold for N_persist consecutive intervals.
-7. never empty a role: the source role needs >= 2 Active workers.
-8. candidate with least expected drain: D→P — fewest active decode requests (the paper's
+7. never empty a role: the source role needs >= 2 Active workers (and keeps >= 1).
+8. PAPER moves one worker, ADAPTIVE ``move_size`` workers; candidates with least expected
+   drain: D→P — fewest active decode requests (the paper's
    proxy), then fewest KV tokens in use; P→D — least running prefill work (tokens), then
    shortest queue. Ties break on worker id, so decisions are deterministic.
 """
@@ -34,7 +45,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from shared.policy.config import PolicyConfig
+from shared.policy.config import PAPER, PolicyConfig
+from shared.policy.fluidrole_sizing import adm_guard, move_size
 
 PREFILL = "prefill"
 DECODE = "decode"
@@ -87,6 +99,8 @@ class Decision:
     dpi_adm_bar: float
     active_prefill: int
     active_decode: int
+    # Every worker this decision moves (worker_id is the first); () when not switching.
+    worker_ids: tuple[str, ...] = ()
 
     @property
     def switches(self) -> bool:
@@ -118,11 +132,17 @@ def recommend(
     ppi_bar: float, dpi_load_bar: float, dpi_adm_bar: float, cfg: PolicyConfig
 ) -> tuple[str, str]:
     """Eq. 22–23 plus the both-pressured rule: (recommendation, reason)."""
-    if (
-        ppi_bar > cfg.ppi_high
-        and dpi_load_bar < cfg.dpi_load_high
-        and dpi_adm_bar < 0.5 * (cfg.dpi_adm_high + cfg.dpi_adm_blocking)
-    ):
+    if cfg.rules == PAPER:  # the paper, literally
+        if ppi_bar > cfg.ppi_high and dpi_load_bar < cfg.dpi_load_high:
+            return D2P, "eq22_prefill_pressure"
+        if dpi_adm_bar > cfg.dpi_adm_high and ppi_bar < cfg.ppi_low:
+            return P2D, "eq23_decode_admission_pressure"
+        if ppi_bar > cfg.ppi_high:
+            return NONE, "both_phases_pressured"
+        if dpi_adm_bar > cfg.dpi_adm_high:
+            return NONE, "prefill_not_idle"
+        return NONE, "balanced"
+    if ppi_bar > cfg.ppi_high and dpi_load_bar < cfg.dpi_load_high and dpi_adm_bar < adm_guard(cfg):
         # Eq. 22, unless the decode pool is short of admission headroom (extension): taking
         # a decode worker away then only deepens the backpressure that built the backlog.
         # The bound sits below dpi_adm_blocking (hysteresis) so P->D and D->P cannot chase
@@ -143,8 +163,8 @@ def recommend(
     return NONE, "balanced"
 
 
-def pick_candidate(workers: Sequence[WorkerView], action: str) -> WorkerView | None:
-    """The Active worker of the source role with the least expected drain (rule 8)."""
+def pick_candidates(workers: Sequence[WorkerView], action: str, k: int) -> list[WorkerView]:
+    """The ``k`` Active workers of the source role with the least expected drain (rule 8)."""
     if action == D2P:
         pool = [w for w in workers if w.state == ACTIVE and w.role == DECODE]
         pool.sort(key=lambda w: (w.active_decode_requests, w.kv_active_tokens, w.worker_id))
@@ -152,8 +172,8 @@ def pick_candidate(workers: Sequence[WorkerView], action: str) -> WorkerView | N
         pool = [w for w in workers if w.state == ACTIVE and w.role == PREFILL]
         pool.sort(key=lambda w: (w.running_prefill_tokens, w.queue_len, w.worker_id))
     else:
-        return None
-    return pool[0] if pool else None
+        return []
+    return pool[:k]
 
 
 class RolePolicy:
@@ -167,6 +187,8 @@ class RolePolicy:
         self.cfg = cfg
         self.paused = False
         self.last_switch_s: float | None = None
+        self.last_action = NONE
+        self._last_transit_s: float | None = None  # last decide() that saw a switch running
         self._pending = NONE
         self._count = 0
 
@@ -176,14 +198,14 @@ class RolePolicy:
         ppi_bar, load_bar, adm_bar, n_p, n_d = aggregate_pressure(workers)
         rec, reason = recommend(ppi_bar, load_bar, adm_bar, cfg)
 
-        def out(action: str, why: str, worker: WorkerView | None = None) -> Decision:
+        def out(action: str, why: str, movers: Sequence[WorkerView] = ()) -> Decision:
             target = None
-            if worker is not None:
+            if movers:
                 target = PREFILL if action == D2P else DECODE
             return Decision(
                 now_s=now_s,
                 action=action,
-                worker_id=worker.worker_id if worker else None,
+                worker_id=movers[0].worker_id if movers else None,
                 target_role=target,
                 reason=why,
                 recommendation=rec,
@@ -193,15 +215,25 @@ class RolePolicy:
                 dpi_adm_bar=adm_bar,
                 active_prefill=n_p,
                 active_decode=n_d,
+                worker_ids=tuple(w.worker_id for w in movers),
             )
 
         gate = None
         if self.paused:
             gate = "paused"
         elif any(w.state != ACTIVE for w in workers):
+            self._last_transit_s = now_s
             gate = "switch_in_progress"
-        elif self.last_switch_s is not None and now_s - self.last_switch_s < cfg.cooldown_s:
-            gate = "cooldown"
+        elif self.last_switch_s is not None:
+            since_s = now_s - max(self.last_switch_s, self._last_transit_s or self.last_switch_s)
+            if cfg.rules == PAPER:
+                if now_s - self.last_switch_s < cfg.cooldown_s:
+                    gate = "cooldown"
+            elif rec != NONE and rec == self.last_action:
+                if since_s < cfg.settle_s:
+                    gate = "settling"
+            elif rec != NONE and since_s < cfg.cooldown_s:
+                gate = "cooldown"
         if gate is not None or rec == NONE:
             self._pending, self._count = NONE, 0
             return out(NONE, gate or reason)
@@ -213,10 +245,15 @@ class RolePolicy:
         source_active = n_d if rec == D2P else n_p
         if source_active < 2:
             return out(NONE, "would_empty_role")
-        candidate = pick_candidate(workers, rec)
-        if candidate is None:  # unreachable: source_active >= 2
+        k = 1
+        if cfg.rules != PAPER:
+            blocked = reason == "decode_admission_blocks_prefill"
+            k = move_size(rec, ppi_bar, load_bar, adm_bar, n_p, n_d, cfg, decode_blocked=blocked)
+        movers = pick_candidates(workers, rec, max(1, k))
+        if not movers:  # unreachable: source_active >= 2
             return out(NONE, "no_candidate")
-        decision = out(rec, reason, candidate)
+        decision = out(rec, reason, movers)
         self.last_switch_s = now_s
+        self.last_action = rec
         self._pending, self._count = NONE, 0
         return decision

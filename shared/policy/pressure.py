@@ -179,15 +179,97 @@ def tpot_slack_s(load: DecodeLoad, profile: LatencyProfile, cfg: PolicyConfig) -
     return cfg.tpot_s - profile.decode_iter_time_s(load.active_requests, load.kv_active_tokens)
 
 
-def max_suffix_tokens(slack_s: float, profile: LatencyProfile, cfg: PolicyConfig) -> float:
-    """Eq. 15–16: L_d,max^{sfx,TPOT} = T_sfx⁻¹(η·Δ_d^TPOT); 0 when the slack is <= 0.
+def max_suffix_tokens(
+    slack_s: float,
+    profile: LatencyProfile,
+    cfg: PolicyConfig,
+    context_tokens: float | None = None,
+) -> float:
+    """Eq. 15–16: L_d,max^{sfx,TPOT} = T_sfx⁻¹(η·Δ_d^TPOT) on ``context_tokens`` of prefix
+    context; 0 when the slack is <= 0.
 
-    T_sfx depends on the context the suffix runs on, unknown when the budget is advertised;
-    cfg.budget_context_tokens is the L_ctx assumed (0 = the paper's one-argument T_sfx).
+    T_sfx grows with the context the suffix attends to. When the budget is advertised that
+    context is unknown: ``context_tokens=None`` assumes cfg.budget_context_tokens (a typical
+    prefix; 0 would be the paper's one-argument T_sfx, which over-states the allowance for
+    every real prefix). Where the prefix is known (admission re-check, chunk sizing) callers
+    pass it: ``suffix_allowance_tokens`` and ``suffix_chunk_tokens``.
     """
     if slack_s <= 0.0:
         return 0.0
-    return profile.suffix_tokens_for(cfg.eta * slack_s, cfg.budget_context_tokens)
+    ctx = cfg.budget_context_tokens if context_tokens is None else context_tokens
+    return profile.suffix_tokens_for(cfg.eta * slack_s, ctx)
+
+
+def suffix_allowance_tokens(
+    steal_budget: float,
+    slack_s: float,
+    context_tokens: int,
+    profile: LatencyProfile,
+    cfg: PolicyConfig,
+) -> int:
+    """Decode-side re-check at admission of a split request whose prefix (the context its
+    suffix attends to) is ``context_tokens``: the suffix tokens accepted now, the advertised
+    budget (eq. 17) capped by what fits in η·Δ^TPOT on that very context (eq. 15–16).
+    0 when there is no slack. The live decode worker and the simulator both call this. Pure."""
+    exact = max_suffix_tokens(slack_s, profile, cfg, context_tokens)
+    return int(min(steal_budget, exact))
+
+
+def suffix_chunk_tokens(
+    slack_s: float,
+    context_tokens: int,
+    profile: LatencyProfile,
+    cfg: PolicyConfig,
+    *,
+    decoding: bool,
+    idle_chunk_tokens: int,
+) -> int:
+    """Prompt-chunk tokens (stolen suffix) one decode iteration may run on top of a prefix of
+    ``context_tokens``: the longest chunk whose T_sfx fits in η·Δ^TPOT (eq. 16) — 0 when
+    there is no slack (no minimum chunk: a chunk then would break TPOT for the whole batch).
+    With no request decoding (``decoding`` False) nobody's TPOT is at risk and the chunk is
+    ``idle_chunk_tokens``, which also guarantees the suffix progresses. The live decode
+    worker and the simulator both call this. Pure."""
+    if not decoding:
+        return idle_chunk_tokens
+    return int(max_suffix_tokens(slack_s, profile, cfg, context_tokens))
+
+
+def offered_budget_tokens(steal_budget: float, pending_suffix_tokens: int) -> float:
+    """The steal budget a decode worker offers (and re-checks against): eq. 17's B_steal less
+    the suffix tokens it already accepted and has not run yet (they use the same slack)."""
+    return max(0.0, steal_budget - pending_suffix_tokens)
+
+
+def decode_load_from_pool(
+    capacity_tokens: int,
+    held_tokens: int,
+    active_tokens: int,
+    running: int,
+    admitted: int,
+    max_requests: int,
+    *,
+    waiting_kv_tokens: int = 0,
+    waiting_requests: int = 0,
+) -> DecodeLoad:
+    """The DecodeLoad of a decode worker from its block pool, identically for the live
+    worker and the simulator: C_KV = usable blocks × block size; C_active = Σ tokens of the
+    runnable requests; C_reserved = held − C_active (pending transfers plus the decode
+    horizon installed requests hold), so that C_alloc (eq. 6) is exactly the free pool.
+
+    Requests refused for capacity and kept waiting by their prefill workers
+    (``waiting_*``) are admission demand too: counted as reserved KV (at most the pool that
+    is not active: DPI_adm stays a fraction of the pool, as in the paper) and as taken
+    slots, so DPI_adm (eq. 8) shows a decode pool short of capacity, not merely full."""
+    reserved = max(0, held_tokens - active_tokens) + waiting_kv_tokens
+    return DecodeLoad(
+        capacity_tokens,
+        active_tokens,
+        min(reserved, max(0, capacity_tokens - active_tokens)),
+        running,
+        admitted_requests=admitted + waiting_requests,
+        max_requests=max_requests,
+    )
 
 
 def steal_budget_tokens(

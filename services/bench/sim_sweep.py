@@ -1,0 +1,257 @@
+"""``fluidpd bench sim-sweep``: the robustness sweep — every workload × arrival seed × trace
+offset × RPS on the simulated cluster, ``full`` against the per-window ``oracle`` and the
+static baselines, judged separately on the cells the policy was tuned on and on held-out ones.
+
+A cell is one (workload, seed, offset, rps); in it every configuration replays the same
+trace (Poisson arrivals from ``seed``, the traces read from ``offset`` seconds). Per
+(workload, rps) it reports min / median of full − oracle, full − static and
+full − static-pressure (percentage points of joint attainment) and whether the goals hold:
+full >= oracle − 3 pp in every cell, and full >= oracle in every cell where the oracle is
+below 0.5. A cell is *tuned* when its seed is in ``--tune-seeds`` and its offset in
+``--tune-offsets``; everything else is held out. The LAST stdout line is one JSON object::
+
+    {"bench": "sim-sweep", "cells": n, "goals": {"tuned": {...}, "held_out": {...}},
+     "by_rps": {"<workload>": {"<rps>": {"full_minus_oracle_pp": {"min":, "median":},
+                "full_minus_static_pp": {...}, "full_minus_static_pressure_pp": {...},
+                "oracle_min":, "goal_cells_failed": n, "cells": n}}}, ...}
+
+``--jobs 2`` runs two cells at once (at most 2: the machines this runs on are shared).
+``--out FILE`` writes one JSON line per cell. Human-readable lines go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.bench.sim import add_cluster_args, base_config
+from services.bench.workloads import MIXED, POISSON, STAGED, WORKLOADS, build_workload
+from services.sim.config import FULL, ORACLE, STATIC, STATIC_PRESSURE, SimConfig
+from services.sim.run import run_config
+from shared.engine.profiles import load_profile
+
+DEFAULT_RPS = {STAGED: "20,25,30,35", MIXED: "10,15,20,25"}
+CONFIGS = (FULL, ORACLE, STATIC, STATIC_PRESSURE)
+SLACK_PP = 3.0  # full >= oracle − 3 pp in every cell
+HOPELESS = 0.5  # where the oracle is below this, full >= oracle
+
+
+@dataclass(frozen=True)
+class Cell:
+    workload: str
+    seed: int
+    offset_s: float
+    rps: float
+    tuned: bool
+    requests: int | None = None  # truncation of the workload (None: all of it)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="fluidpd bench sim-sweep", description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default=f"{STAGED},{MIXED}")
+    ap.add_argument("--seeds", default="0,1,2,3,4", help="Poisson arrival seeds")
+    ap.add_argument("--offsets", default="0,600,1200", help="trace offsets, seconds")
+    ap.add_argument("--rps-staged", default=DEFAULT_RPS[STAGED])
+    ap.add_argument("--rps-mixed", default=DEFAULT_RPS[MIXED])
+    ap.add_argument("--tune-seeds", default="0,1", help="seeds the policy was tuned on")
+    ap.add_argument("--tune-offsets", default="0", help="offsets the policy was tuned on")
+    ap.add_argument(
+        "--requests-staged", type=int, default=None, help="truncate azure-staged (3 stages)"
+    )
+    ap.add_argument("--requests-mixed", type=int, default=None, help="truncate azure-mixed")
+    ap.add_argument("--jobs", type=int, default=1, help="parallel cells, 1 or 2")
+    ap.add_argument("--out", default="", help="JSON lines file, one line per cell")
+    ap.add_argument(
+        "--summarize",
+        default="",
+        help="run nothing: summarize the cells of this JSON lines file (a finished or partial "
+        "--out of an earlier sweep)",
+    )
+    add_cluster_args(ap)
+    a = ap.parse_args(argv)
+    if a.jobs not in (1, 2):
+        ap.error("--jobs must be 1 or 2")
+    return a
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def cells_of(args: argparse.Namespace) -> list[Cell]:
+    """Every cell of the sweep, in a fixed order. Raises SystemExit on an unknown workload."""
+    tune_seeds = {int(s) for s in _floats(args.tune_seeds)}
+    tune_offsets = set(_floats(args.tune_offsets))
+    out: list[Cell] = []
+    for workload in [w.strip() for w in args.workloads.split(",") if w.strip()]:
+        if workload not in WORKLOADS:
+            raise SystemExit(f"unknown workload {workload!r}; known: {list(WORKLOADS)}")
+        rates = _floats(args.rps_staged if workload == STAGED else args.rps_mixed)
+        # Seed-major: a sweep cut short still covers every offset of the seeds it reached.
+        for seed in [int(s) for s in _floats(args.seeds)]:
+            for offset in _floats(args.offsets):
+                tuned = seed in tune_seeds and offset in tune_offsets
+                requests = args.requests_staged if workload == STAGED else args.requests_mixed
+                out.extend(Cell(workload, seed, offset, rps, tuned, requests) for rps in rates)
+    return out
+
+
+def run_cell(cell: Cell, base: SimConfig, profile_name: str) -> dict[str, Any]:
+    """Every configuration on one cell's trace; joint attainment and counters per config."""
+    profile = load_profile(profile_name)
+    trace = build_workload(
+        cell.workload,
+        rps=cell.rps,
+        requests=cell.requests,
+        trace_offset_s=cell.offset_s,
+        arrival=POISSON,
+        seed=cell.seed,
+    )
+    ttft_s, tpot_s = base.policy.ttft_s, base.policy.tpot_s
+    row: dict[str, Any] = {
+        "workload": cell.workload,
+        "seed": cell.seed,
+        "offset_s": cell.offset_s,
+        "rps": cell.rps,
+        "tuned": cell.tuned,
+        "requests": len(trace),
+    }
+    for name in CONFIGS:
+        t0 = time.perf_counter()
+        s = run_config(trace, name, base, profile).summary(ttft_s, tpot_s)
+        row[name] = {
+            "joint": round(s["joint_attainment"], 4),
+            "rejected": s["rejected"],
+            "expired": s["expired"],
+            "failed": s["failed"],
+            "switches": s["switches"],
+            "wall_s": round(time.perf_counter() - t0, 2),
+        }
+    return row
+
+
+def cell_goal_ok(row: dict[str, Any]) -> bool:
+    full, oracle = row[FULL]["joint"], row[ORACLE]["joint"]
+    if full < oracle - SLACK_PP / 100:
+        return False
+    return not (oracle < HOPELESS and full < oracle)
+
+
+def _dist(values: list[float]) -> dict[str, float]:
+    return {"min": round(min(values), 1), "median": round(statistics.median(values), 1)}
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-RPS distributions and the goal verdicts, tuned and held-out apart."""
+    by_rps: dict[str, dict[str, Any]] = {}
+    goals: dict[str, dict[str, Any]] = {}
+    for part, keep in (("tuned", True), ("held_out", False)):
+        sel = [r for r in rows if r["tuned"] is keep]
+        failed = [r for r in sel if not cell_goal_ok(r)]
+        goals[part] = {
+            "cells": len(sel),
+            "cells_failed": len(failed),
+            "holds": not failed and bool(sel),
+            "failed_cells": [
+                {k: r[k] for k in ("workload", "seed", "offset_s", "rps")}
+                | {"full": r[FULL]["joint"], "oracle": r[ORACLE]["joint"]}
+                for r in failed
+            ],
+        }
+    keys = sorted({(r["workload"], r["rps"]) for r in rows})
+    for workload, rps in keys:
+        for part, sel_fn in (
+            ("all", lambda r: True),
+            ("held_out", lambda r: not r["tuned"]),
+        ):
+            sel = [r for r in rows if r["workload"] == workload and r["rps"] == rps and sel_fn(r)]
+            if not sel:
+                continue
+
+            def pp(a: str, b: str, rs: list[dict[str, Any]] = sel) -> list[float]:
+                return [100.0 * (r[a]["joint"] - r[b]["joint"]) for r in rs]
+
+            by_rps.setdefault(workload, {}).setdefault(f"{rps:g}", {})[part] = {
+                "cells": len(sel),
+                "full_minus_oracle_pp": _dist(pp(FULL, ORACLE)),
+                "full_minus_static_pp": _dist(pp(FULL, STATIC)),
+                "full_minus_static_pressure_pp": _dist(pp(FULL, STATIC_PRESSURE)),
+                "full_median": round(statistics.median(r[FULL]["joint"] for r in sel), 3),
+                "oracle_median": round(statistics.median(r[ORACLE]["joint"] for r in sel), 3),
+                "oracle_min": round(min(r[ORACLE]["joint"] for r in sel), 3),
+                "goal_cells_failed": sum(1 for r in sel if not cell_goal_ok(r)),
+            }
+    return {"goals": goals, "by_rps": by_rps}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        base = base_config(args)
+    except ValueError as exc:
+        print(f"fluidpd bench sim-sweep: {exc}", file=sys.stderr)
+        return 2
+    if args.summarize:
+        lines = Path(args.summarize).read_text(encoding="utf-8").splitlines()
+        rows_in = [json.loads(line) for line in lines if line.strip()]
+        print(json.dumps({"bench": "sim-sweep", "cells": len(rows_in), **summarize(rows_in)}))
+        return 0
+    cells = cells_of(args)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("", encoding="utf-8")
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+
+    def done(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print(
+            f"{row['workload']} seed={row['seed']} off={row['offset_s']:g} rps={row['rps']:g} "
+            + " ".join(f"{c}={row[c]['joint']:.3f}" for c in CONFIGS)
+            + f" sw={row[FULL]['switches']} rej={row[FULL]['rejected']}"
+            + ("" if cell_goal_ok(row) else "  GOAL-MISS")
+            + (" (tuned)" if row["tuned"] else ""),
+            file=sys.stderr,
+            flush=True,
+        )
+        if out is not None:
+            with out.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+
+    if args.jobs == 1:
+        for cell in cells:
+            done(run_cell(cell, base, args.profile))
+    else:
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            futures = [pool.submit(run_cell, cell, base, args.profile) for cell in cells]
+            for fut in futures:
+                done(fut.result())
+    summary = {
+        "bench": "sim-sweep",
+        "cells": len(rows),
+        "policy": args.policy,
+        "shedding": {
+            "ttft_multiple": base.shedding.ttft_multiple,
+            "expire_margin_s": base.shedding.expire_margin_s,
+        },
+        "goal": f"full >= oracle - {SLACK_PP:g} pp in every cell; full >= oracle where "
+        f"oracle < {HOPELESS}",
+        "tune": {"seeds": args.tune_seeds, "offsets": args.tune_offsets},
+        "requests": {STAGED: args.requests_staged, MIXED: args.requests_mixed},
+        **summarize(rows),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

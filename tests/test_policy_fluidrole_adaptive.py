@@ -1,0 +1,132 @@
+"""FluidRole's ADAPTIVE rules (issue 16 item 3): moves sized by the distance from balance,
+settle-time hysteresis before the next move, a longer guard against moving back, and the
+PAPER rule set kept selectable (eq. 22 literally, no DPI_adm guard, one worker, cooldown)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shared.policy.config import ADAPTIVE, PAPER, PolicyConfig
+from shared.policy.errors import PolicyConfigError
+from shared.policy.fluidrole import (
+    D2P,
+    DECODE,
+    DRAIN,
+    NONE,
+    P2D,
+    PREFILL,
+    ClusterSnapshot,
+    RolePolicy,
+    WorkerView,
+)
+from shared.policy.fluidrole_sizing import move_size
+
+CFG = PolicyConfig(n_persist=1, cooldown_s=20.0, settle_s=6.0, max_move_workers=3)
+
+
+def pw(wid: str, ppi: float, state: str = "active") -> WorkerView:
+    return WorkerView(wid, PREFILL, state, ppi_p95=ppi)
+
+
+def dw(wid: str, load: float, adm: float, active: int = 0, state: str = "active") -> WorkerView:
+    return WorkerView(wid, DECODE, state, dpi_load=load, dpi_adm=adm, active_decode_requests=active)
+
+
+def cluster(ppi: float, load: float, adm: float, n_p: int = 4, n_d: int = 4) -> ClusterSnapshot:
+    return ClusterSnapshot(
+        tuple(pw(f"p{i}", ppi) for i in range(n_p))
+        + tuple(dw(f"d{i}", load, adm, active=i) for i in range(n_d))
+    )
+
+
+def test_move_size_grows_with_the_gap_and_respects_the_other_phase() -> None:
+    # 4P, PPI̅ 1.1: 4·1.1/0.8 − 4 = 1.5 → 2 workers; PPI̅ 3.0 → 11 → capped at 3.
+    assert move_size(D2P, 1.1, 0.1, 0.1, 4, 4, CFG) == 2
+    assert move_size(D2P, 3.0, 0.1, 0.1, 4, 4, CFG) == 3
+    # The decode side must stay below DPI_load^high: 4·0.35/(4−k) < 0.6 → k <= 1.
+    assert move_size(D2P, 3.0, 0.35, 0.1, 4, 4, CFG) == 1
+    # P→D: adm 0.6 over 4D, middle of the band (0.2 + 0.55)/2 = 0.375 → 4·0.6/0.375 − 4 = 2.4.
+    assert move_size(P2D, 0.1, 0.1, 0.6, 4, 4, CFG) == 3
+    # Prefill must stay below PPI_low: 4·0.3/(4−k) < 0.6 → k <= 1.
+    assert move_size(P2D, 0.3, 0.1, 0.6, 4, 4, CFG) == 1
+    # Never the whole source role.
+    assert move_size(D2P, 9.0, 0.0, 0.0, 1, 2, CFG) == 1
+    assert move_size(D2P, 9.0, 0.0, 0.0, 1, 1, CFG) == 0
+
+
+def test_a_large_gap_moves_several_workers_in_one_decision() -> None:
+    policy = RolePolicy(CFG)
+    d = policy.decide(cluster(ppi=2.0, load=0.1, adm=0.1), 0.0)
+    assert d.action == D2P and len(d.worker_ids) == 3
+    assert d.worker_ids == ("d0", "d1", "d2")  # fewest active decodes first
+    assert d.worker_id == "d0" and d.target_role == PREFILL
+
+
+def test_settle_after_the_switch_completes_then_move_again_same_way() -> None:
+    policy = RolePolicy(CFG)
+    hot = cluster(ppi=1.1, load=0.1, adm=0.1)
+    assert policy.decide(hot, 0.0).action == D2P
+    in_transit = ClusterSnapshot((*hot.workers[:-1], dw("d3", 0.1, 0.1, state=DRAIN)))
+    for t in (1.0, 2.0, 3.0):  # the switch takes 3 s
+        assert policy.decide(in_transit, t).reason == "switch_in_progress"
+    # Done at ~3 s: the same move waits settle_s = 6 s from the last transit seen (3 s).
+    for t in (4.0, 6.0, 8.5):
+        assert (policy.decide(hot, t).action, policy.decide(hot, t).reason) == (NONE, "settling")
+    assert policy.decide(hot, 9.0).action == D2P  # not the 20 s cooldown
+
+
+def test_moving_back_waits_the_full_cooldown() -> None:
+    policy = RolePolicy(CFG)
+    assert policy.decide(cluster(ppi=1.1, load=0.1, adm=0.1), 0.0).action == D2P
+    decode_hot = cluster(ppi=0.1, load=0.3, adm=0.6)
+    for t in (1.0, 10.0, 19.5):
+        d = policy.decide(decode_hot, t)
+        assert (d.action, d.reason, d.recommendation) == (NONE, "cooldown", P2D)
+    assert policy.decide(decode_hot, 20.0).action == P2D
+
+
+def test_paper_rules_are_eq22_literally_one_worker_and_no_adm_extensions() -> None:
+    paper = RolePolicy(dataclasses.replace(CFG, rules=PAPER))
+    adaptive = RolePolicy(CFG)
+    # DPI̅_adm 0.7 is above ADAPTIVE's guard: ADAPTIVE holds, the paper takes a worker.
+    short = cluster(ppi=2.0, load=0.3, adm=0.7)
+    assert adaptive.decide(short, 0.0).recommendation == NONE
+    d = paper.decide(short, 0.0)
+    assert d.action == D2P and d.worker_ids == ("d0",) and d.reason == "eq22_prefill_pressure"
+    # Both phases pressured with decode admission saturated: ADAPTIVE adds decode, the paper
+    # does nothing.
+    blocked = cluster(ppi=2.0, load=0.8, adm=0.95)
+    assert RolePolicy(CFG).decide(blocked, 0.0).action == P2D
+    d = RolePolicy(dataclasses.replace(CFG, rules=PAPER)).decide(blocked, 0.0)
+    assert (d.action, d.reason) == (NONE, "both_phases_pressured")
+    # The paper's fixed cooldown from the decision, also for the same direction.
+    hot = cluster(ppi=1.1, load=0.1, adm=0.1)
+    p = RolePolicy(dataclasses.replace(CFG, rules=PAPER))
+    assert p.decide(hot, 0.0).action == D2P
+    assert p.decide(hot, 19.0).reason == "cooldown"
+    assert p.decide(hot, 20.0).action == D2P
+
+
+def test_rule_set_is_validated() -> None:
+    assert PolicyConfig().rules == ADAPTIVE
+    with pytest.raises(PolicyConfigError):
+        PolicyConfig(rules="aggressive")
+    with pytest.raises(PolicyConfigError):
+        PolicyConfig(max_move_workers=0)
+    with pytest.raises(PolicyConfigError):
+        PolicyConfig(settle_s=-1.0)
+    assert PolicyConfig.from_dict({"rules": "paper"}).rules == PAPER
+
+
+def test_decode_blocking_prefill_moves_by_the_decode_gap() -> None:
+    # 7P1D with the one decode worker's admission saturated: the prefill backlog is decode
+    # backpressure, so PPI̅ does not bound the move (it would allow none); the decode gap
+    # 1·1.0/0.375 − 1 = 1.67 → 2 workers.
+    assert move_size(P2D, 3.0, 0.9, 1.0, 7, 1, CFG) == 1  # bounded by PPI̅ otherwise
+    assert move_size(P2D, 3.0, 0.9, 1.0, 7, 1, CFG, decode_blocked=True) == 2
+    policy = RolePolicy(CFG)
+    d = policy.decide(cluster(ppi=3.0, load=0.9, adm=1.0, n_p=7, n_d=1), 0.0)
+    assert (d.action, d.reason) == (P2D, "decode_admission_blocks_prefill")
+    assert len(d.worker_ids) == 2 and d.target_role == DECODE

@@ -1,0 +1,74 @@
+"""Simulator: SLO-aware shedding at the router and expiry of queued prefill work use the
+live defaults (SheddingConfig), are counted as not attained and reported separately, and
+the simulator reserves KV by the worker's formula."""
+
+from __future__ import annotations
+
+import math
+
+from services.bench.workloads import TraceRequest
+from services.sim import SimConfig, Simulation, config_for
+from shared.engine.profiles import load_profile
+from shared.policy.admission import SheddingConfig
+from shared.policy.pressure import admission_kv_tokens
+
+PROFILE = load_profile()
+TTFT_S, TPOT_S = 2.0, 0.1
+
+
+def flood(n: int = 60, prompt: int = 6000) -> list[TraceRequest]:
+    # n long prompts within 60 ms on 1P1D: ~0.58 s of prefill each.
+    return [TraceRequest(i / 1000.0, prompt, 4, "x") for i in range(n)]
+
+
+def test_router_sheds_what_cannot_meet_twice_the_ttft_slo() -> None:
+    cfg = config_for("static", SimConfig(workers=2))
+    assert cfg.shedding == SheddingConfig()  # the live defaults
+    sim = Simulation(flood(), cfg, PROFILE)
+    res = sim.run()
+    t_pre = PROFILE.prefill_time_s(6000)
+    # Arrival i sees i prefills ahead (all still queued or running): predicted (i+1)·T_pre.
+    accepted = math.floor(cfg.shedding.ttft_multiple * TTFT_S / t_pre)
+    s = res.summary(TTFT_S, TPOT_S)
+    assert s["rejected"] == 60 - accepted
+    assert s["expired"] == 0 and s["failed"] == 0
+    assert all(r.t_first > 0 for r in sim.reqs if not r.rejected)  # accepted ones complete
+    assert all(r.t_first < 0 for r in sim.reqs if r.rejected)  # nothing computed for those
+    assert s["joint_attainment"] <= accepted / 60  # rejected count as not attained
+
+
+def test_queued_work_past_deadline_plus_margin_is_dropped() -> None:
+    shed = SheddingConfig(ttft_multiple=0.0, expire_margin_s=5.0)  # no door check
+    sim = Simulation(flood(), config_for("static", SimConfig(workers=2, shedding=shed)), PROFILE)
+    res = sim.run()
+    s = res.summary(TTFT_S, TPOT_S)
+    t_pre = PROFILE.prefill_time_s(6000)
+    # A request reaching the head after arrival + 2 s + 5 s is dropped without prefill.
+    started = 60 - s["expired"]
+    assert abs(started - (math.ceil(7.0 / t_pre) + 1)) <= 1
+    assert s["rejected"] == 0 and s["failed"] == 0
+    assert all(r.t_first < 0 for r in sim.reqs if r.expired)
+    for w in sim.workers:  # nothing left reserved or queued
+        assert (w.held_blocks, w.reserved_blocks, w.requests) == (0, 0, 0) and not w.queue
+
+
+def test_shedding_off_serves_everything() -> None:
+    off = SheddingConfig(ttft_multiple=0.0, expire_margin_s=None)
+    res = Simulation(
+        flood(), config_for("static", SimConfig(workers=2, shedding=off)), PROFILE
+    ).run()
+    s = res.summary(TTFT_S, TPOT_S)
+    assert (s["rejected"], s["expired"], s["failed"]) == (0, 0, 0)
+
+
+def test_simulated_reservation_is_the_workers_formula() -> None:
+    cfg = SimConfig(workers=2)
+    trace = [TraceRequest(0.0, 3000, 1000, "x"), TraceRequest(0.1, 100, 20, "x")]
+    sim = Simulation(trace, cfg, PROFILE)
+    sim.run()
+    for r in sim.reqs:
+        kv = admission_kv_tokens(
+            r.prompt, r.output, cfg.decode_reserve_tokens, PROFILE.max_context_tokens
+        )
+        assert r.blocks == -(-kv // cfg.block_size)
+    assert sim.reqs[0].blocks == -(-(3000 + 256) // 16)  # horizon 256, not the whole output

@@ -1,0 +1,108 @@
+"""``fluidpd bench sim-sweep``: cells, tuned/held-out split, goal verdicts, JSON last line;
+the rule-set flag of the controller and the simulator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.bench import sim_sweep
+from services.bench.sim import base_config
+from services.bench.sim import parse_args as sim_args
+from services.controller.__main__ import config_from_args
+from services.controller.__main__ import main as controller_main
+from shared.policy.config import ADAPTIVE, PAPER
+
+
+def row(full: float, oracle: float, tuned: bool = True, rps: float = 30.0) -> dict[str, object]:
+    return {
+        "workload": "azure-staged",
+        "seed": 0,
+        "offset_s": 0.0,
+        "rps": rps,
+        "tuned": tuned,
+        "full": {"joint": full},
+        "oracle": {"joint": oracle},
+        "static": {"joint": 0.2},
+        "static-pressure": {"joint": 0.4},
+    }
+
+
+def test_goal_per_cell() -> None:
+    assert sim_sweep.cell_goal_ok(row(0.95, 0.97))  # within 3 pp
+    assert not sim_sweep.cell_goal_ok(row(0.93, 0.97))  # 4 pp below
+    assert not sim_sweep.cell_goal_ok(row(0.44, 0.45))  # oracle < 0.5: must not be below
+    assert sim_sweep.cell_goal_ok(row(0.45, 0.45))
+
+
+def test_summary_splits_tuned_and_held_out() -> None:
+    rows = [row(0.99, 0.97), row(0.90, 0.97, tuned=False), row(0.98, 0.97, tuned=False)]
+    s = sim_sweep.summarize(rows)
+    assert s["goals"]["tuned"] == {"cells": 1, "cells_failed": 0, "holds": True, "failed_cells": []}
+    assert s["goals"]["held_out"]["cells_failed"] == 1 and not s["goals"]["held_out"]["holds"]
+    cell = s["by_rps"]["azure-staged"]["30"]
+    assert cell["all"]["full_minus_oracle_pp"] == {"min": -7.0, "median": 1.0}
+    assert cell["held_out"]["cells"] == 2
+    assert cell["all"]["full_minus_static_pp"]["median"] == pytest.approx(78.0)
+
+
+def test_cells_mark_tuning_data() -> None:
+    args = sim_sweep.parse_args(
+        [
+            "--seeds",
+            "0,1,2",
+            "--offsets",
+            "0,600",
+            "--rps-staged",
+            "30",
+            "--workloads",
+            "azure-staged",
+            "--tune-seeds",
+            "0",
+            "--tune-offsets",
+            "0",
+        ]
+    )
+    cells = sim_sweep.cells_of(args)
+    assert len(cells) == 6
+    assert [c.tuned for c in cells] == [True, False, False, False, False, False]
+    assert [(c.seed, c.offset_s) for c in cells[:3]] == [(0, 0.0), (0, 600.0), (1, 0.0)]
+
+
+def test_tiny_sweep_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = sim_sweep.main(
+        [
+            "--workloads",
+            "azure-mixed",
+            "--seeds",
+            "0,1",
+            "--offsets",
+            "0",
+            "--rps-mixed",
+            "20",
+            "--requests-mixed",
+            "200",
+            "--tune-seeds",
+            "0",
+        ]
+    )
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["bench"] == "sim-sweep" and summary["cells"] == 2
+    assert summary["goals"]["tuned"]["cells"] == 1 and summary["goals"]["held_out"]["cells"] == 1
+    assert set(summary["by_rps"]["azure-mixed"]["20"]["all"]) >= {
+        "full_minus_oracle_pp",
+        "full_minus_static_pp",
+        "full_minus_static_pressure_pp",
+    }
+
+
+def test_rule_set_flags() -> None:
+    assert config_from_args(["--policy", "paper"]).policy.rules == PAPER
+    assert config_from_args([]).policy.rules == ADAPTIVE
+    assert controller_main(["--policy", "bogus"]) == 2
+    paper = base_config(sim_args(["--policy", "paper"]))
+    assert paper.policy.rules == PAPER and not paper.migrate_on_drain  # drain by waiting
+    off = base_config(sim_args(["--shed-ttft-multiple", "0", "--expire-margin-s", "-1"]))
+    assert not off.shedding.sheds and off.shedding.expire_margin_s is None
