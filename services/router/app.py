@@ -102,7 +102,7 @@ class Router(Service):
         self.watcher = RegistryWatcher(self.bus, on_change=self.dispatcher.on_registry_change)
         await self.watcher.start(timeout_s=cfg.registry_timeout_s)
         await self.bus.subscribe_stream(
-            self.dispatcher.tokens_subject,
+            self.subjects.router_tokens_in(cfg.id),
             TokenBatch,
             self.dispatcher.on_tokens,
             on_gap=self.dispatcher.on_stream_gap,

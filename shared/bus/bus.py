@@ -385,6 +385,7 @@ class Bus:
                 tracker=seq_tracker,
                 on_gap=on_gap,
                 metrics=self.metrics,
+                subject_publisher=self.subjects.publisher_of(msg.subject),
             )
 
         sub = await nc.subscribe(subject, cb=on_message)
