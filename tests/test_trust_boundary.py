@@ -39,6 +39,7 @@ pytestmark = pytest.mark.timeout(180)
 API_KEY = "sk-test-7d1f0c"
 SUBJECTS = Subjects()
 HOST = "127.0.0.1"
+N_TOKENS = 40  # the forged-stream request; ~10 ms per token at --time-scale 20
 
 
 # ------------------------------------------------------------------------- fixtures
@@ -206,9 +207,10 @@ def _router_url(up: tuple[UpProcess, dict[str, Any]]) -> str:
     return str(up[1]["router_url"])
 
 
-async def _stream(base: str, body: dict[str, Any], on_first: Any) -> tuple[str, str | None]:
-    """Stream a completion; call ``on_first(request_id)`` after the first token."""
-    text, finish, first = "", None, True
+async def _stream(base: str, body: dict[str, Any], on_first: Any) -> tuple[str, str | None, int]:
+    """Stream a completion; call ``on_first(request_id)`` after the first token. Returns
+    the text, the finish reason and how many chunks with text came after ``on_first``."""
+    text, finish, first, after = "", None, True, 0
     headers = {"Authorization": f"Bearer {API_KEY}"}
     async with (
         aiohttp.ClientSession() as http,
@@ -223,17 +225,18 @@ async def _stream(base: str, body: dict[str, Any], on_first: Any) -> tuple[str, 
             choice = chunk["choices"][0] if chunk["choices"] else {}
             text += choice.get("text") or ""
             finish = choice.get("finish_reason") or finish
+            after += bool(choice.get("text")) and not first
             if first and choice.get("text"):
                 first = False
                 await on_first(chunk["id"].removeprefix("cmpl-"))
-    return text, finish
+    return text, finish, after
 
 
 def test_forged_token_items_and_epochs_change_no_stream(
     up: tuple[UpProcess, dict[str, Any]],
 ) -> None:
     base, state = _router_url(up), up[1]
-    body = {"model": "tiny", "prompt": "one two three", "max_tokens": 200, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": "one two three", "max_tokens": N_TOKENS, "ignore_eos": True}
     body["seed"] = 1234
     status, control = _http(base + "/v1/completions", body, API_KEY)
     assert status == 200 and isinstance(control, dict)
@@ -275,20 +278,25 @@ async def _forge_during_stream(
 
         async def on_first(request_id: str) -> None:
             evil = (
-                *(TokenItem(request_id=request_id, index=i, token_ids=(7,)) for i in range(1, 200)),
-                TokenItem(request_id=request_id, index=199, finish_reason="error", error="x"),
+                *(
+                    TokenItem(request_id=request_id, index=i, token_ids=(7,))
+                    for i in range(1, N_TOKENS)
+                ),
+                TokenItem(
+                    request_id=request_id, index=N_TOKENS - 1, finish_reason="error", error="x"
+                ),
             )
             await forge("zz", "zz", time.time_ns(), evil)  # not a worker of this request
             await forge("d0", "p0", time.time_ns(), evil)  # publisher != the subject's id
             await forge("d0", "d0", future_epoch + 1, evil)  # the real D, a future epoch
             await bus.flush()
 
-        text, finish = await _stream(base, {**body, "stream": True}, on_first)
-    assert forged == 5
+        text, finish, after = await _stream(base, {**body, "stream": True}, on_first)
+    assert forged == 5 and after >= 5  # the forgeries went out while the stream ran
     assert finish == "length" and text == expected
     metrics = (await asyncio.to_thread(_http, base + "/metrics"))[1]
     assert isinstance(metrics, str)
-    assert _metric(metrics, "fluidpd_router_foreign_token_items_total") >= 199
+    assert _metric(metrics, "fluidpd_router_foreign_token_items_total") >= N_TOKENS
     assert _metric(metrics, 'outcome="forged"') >= 1
 
 
