@@ -239,7 +239,7 @@ def test_forged_token_items_and_epochs_change_no_stream(
     body = {"model": "tiny", "prompt": "one two three", "max_tokens": N_TOKENS, "ignore_eos": True}
     body["seed"] = 1234
     status, control = _http(base + "/v1/completions", body, API_KEY)
-    assert status == 200 and isinstance(control, dict)
+    assert status == 200 and isinstance(control, dict), control
     asyncio.run(_forge_during_stream(base, state, body, control["choices"][0]["text"]))
 
 
