@@ -31,7 +31,7 @@ from services.common.nats_auth import permissions
 from services.common.nats_server import find_nats_server_binary, free_port
 from shared.bus import Bus, BusConfig, BusConnectionError
 from shared.messages import Subjects, TokenBatch, TokenItem, encode
-from tests.support.nats_wire import WireError, ping, raw_publish, raw_request
+from tests.support.nats_wire import WireError, ping, raw_publish, raw_request, raw_subscribe
 from tests.support.up_process import UpProcess
 from tests.support.workers import REPO, worker_env
 
@@ -138,6 +138,11 @@ def test_router_cannot_switch_workers_or_pause_the_policy(
     ):
         errors = raw_publish(HOST, port, subject, body, user=user, password=password)
         assert _violations(errors), (subject, errors)
+    # Nor read what is not its own: other users' replies, the workers' requests.
+    for subject in ("_INBOX.>", "_INBOX_controller.>", SUBJECTS.worker_prefill("p0")):
+        errors = raw_subscribe(HOST, port, subject, user=user, password=password)
+        assert _violations(errors), (subject, errors)
+    assert raw_subscribe(HOST, port, "_INBOX_router.>", user=user, password=password) == []
     # Control: what a router must do is allowed (a cancel of an unknown id is ignored).
     cancel = b'{"request_id":"none","reason":"test"}'
     assert (
@@ -173,6 +178,9 @@ def test_worker_cannot_speak_for_another(up: tuple[UpProcess, dict[str, Any]]) -
     ):
         errors = raw_publish(HOST, port, subject, b"{}", user=user, password=password)
         assert _violations(errors), (subject, errors)
+    for subject in (SUBJECTS.worker_prefill("d0"), SUBJECTS.worker_admit("*"), "_INBOX.>"):
+        errors = raw_subscribe(HOST, port, subject, user=user, password=password)
+        assert _violations(errors), (subject, errors)  # no other worker's prompts or replies
     # Its own event subject is allowed (the payload is invalid: receivers drop it).
     assert raw_publish(HOST, port, SUBJECTS.events("p0"), b"{}", user=user, password=password) == []
 

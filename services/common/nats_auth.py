@@ -17,7 +17,9 @@ subjects), so a renamed subject moves its permission with it. One user per servi
 * ``operator``: everything (``fluidpd ctl``, the NATS CLI, tests).
 
 Replies: responders get ``allow_responses`` (they may answer the requests they receive,
-nothing else on ``_INBOX``); requesters subscribe to ``_INBOX.>``. The registry is a
+nothing else on an inbox); a requester reads replies only on its own inbox
+``_INBOX_<user>.>`` (``BusConfig`` uses that prefix for a client with a user), so no user
+reads another's replies. The registry is a
 JetStream KV bucket: readers need the bucket's stream-info, consumer and direct-get API
 subjects and ``$JS.FC.>`` (flow control of the watch); writers also ``$KV.<bucket>.<key>``.
 Nobody but the operator may delete or reconfigure the bucket.
@@ -32,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shared.bus.config import inbox_prefix_for
 from shared.messages.subjects import WILDCARD, WORKER_VERBS, Subjects, check_id
 
 KINDS = ("router", "controller", "worker", "operator")
-INBOX = "_INBOX.>"
 
 
 @dataclass(frozen=True)
@@ -79,12 +81,18 @@ def _registry(subjects: Subjects, write_key: str | None) -> tuple[str, ...]:
     return tuple(subs)
 
 
+def user_name(kind: str, worker_id: str = WILDCARD) -> str:
+    """The NATS user of a kind: the kind itself, or ``worker-<id>`` for a per-worker user."""
+    return kind if worker_id == WILDCARD else worker_user(worker_id)
+
+
 def permissions(kind: str, subjects: Subjects, worker_id: str = WILDCARD) -> Permissions:
     """The permissions of one service kind (``worker_id`` narrows a worker user to its own
     id). Pure. Raises ValueError for an unknown kind or a bad id."""
     if kind not in KINDS:
         raise ValueError(f"unknown NATS user kind {kind!r} (one of {', '.join(KINDS)})")
     s, any_ = subjects, WILDCARD
+    inbox = inbox_prefix_for(user_name(kind, worker_id)) + ".>"
     if kind == "operator":
         return Permissions(publish=(">",), subscribe=(">",), allow_responses=True)
     if kind == "router":
@@ -94,7 +102,7 @@ def permissions(kind: str, subjects: Subjects, worker_id: str = WILDCARD) -> Per
                 f"{s.prefix}.router.{any_}.tokens.{any_}",
                 s.telemetry_all(),
                 s.events(any_),
-                INBOX,
+                inbox,
             ),
         )
     if kind == "controller":
@@ -105,7 +113,7 @@ def permissions(kind: str, subjects: Subjects, worker_id: str = WILDCARD) -> Per
                 s.events(any_),
                 s.controller_status(),
                 s.controller_policy(),
-                INBOX,
+                inbox,
             ),
             allow_responses=True,
         )
@@ -123,7 +131,7 @@ def permissions(kind: str, subjects: Subjects, worker_id: str = WILDCARD) -> Per
             *(getattr(s, f"worker_{verb}")(own) for verb in WORKER_VERBS),
             s.telemetry_all(),
             s.events(any_),
-            INBOX,
+            inbox,
         ),
         allow_responses=True,
     )

@@ -181,3 +181,25 @@ def ping(
                 raise WireError(line.decode(errors="replace"))
     finally:
         conn.close()
+
+
+def raw_subscribe(
+    host: str,
+    port: int,
+    subject: str,
+    timeout_s: float = 2.0,
+    user: str | None = None,
+    password: str | None = None,
+) -> list[str]:
+    """``nats sub SUBJECT``, only as far as the server's verdict: returns the ``-ERR`` lines
+    it sent before answering a PING (empty: the subscription was accepted)."""
+    conn = _Conn(host, port, timeout_s, user, password)
+    errors: list[str] = []
+    try:
+        conn.send(f"SUB {subject} 1\r\nPING\r\n".encode())
+        while (line := conn.read_line()) != b"PONG":
+            if line.startswith(b"-ERR"):
+                errors.append(line.decode(errors="replace"))
+    finally:
+        conn.close()
+    return errors
