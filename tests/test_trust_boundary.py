@@ -30,7 +30,8 @@ import pytest
 from services.common.nats_auth import permissions
 from services.common.nats_server import find_nats_server_binary, free_port
 from shared.bus import Bus, BusConfig, BusConnectionError
-from shared.messages import Subjects, TokenBatch, TokenItem, encode
+from shared.messages import SequenceTracker, Subjects, TokenBatch, TokenItem, encode
+from shared.messages.sequence import MAX_EPOCH_AHEAD_NS
 from tests.support.nats_wire import WireError, ping, raw_publish, raw_request, raw_subscribe
 from tests.support.up_process import UpProcess
 from tests.support.workers import REPO, worker_env
@@ -107,6 +108,27 @@ def test_permission_lists_come_from_the_subjects() -> None:
     assert permissions("operator", SUBJECTS).publish == (">",)
     with pytest.raises(ValueError):
         permissions("admin", SUBJECTS)
+
+
+def test_stream_subjects_name_their_publisher() -> None:
+    tokens = SUBJECTS.router_tokens("r1")
+    assert SUBJECTS.tokens_from(tokens, "d0") == "fluidpd.router.r1.tokens.d0"
+    assert SUBJECTS.publisher_of(SUBJECTS.tokens_from(tokens, "d0")) == "d0"
+    assert SUBJECTS.publisher_of(SUBJECTS.telemetry("decode", "d0")) == "d0"
+    assert SUBJECTS.publisher_of(SUBJECTS.events("p1")) == "p1"
+    assert SUBJECTS.publisher_of(SUBJECTS.controller_decisions()) is None
+    for bad in ("fluidpd.worker.d0.switch", "fluidpd.router.*.tokens", "other.router.r.tokens"):
+        with pytest.raises(ValueError):
+            SUBJECTS.tokens_from(bad, "d0")
+
+
+def test_future_epochs_are_dropped() -> None:
+    now_ns = 10**18
+    tracker = SequenceTracker(clock_ns=lambda: now_ns)
+    assert tracker.observe("d0", now_ns - 5, 0).accepted
+    assert not tracker.observe("d0", now_ns + MAX_EPOCH_AHEAD_NS + 1, 0).accepted
+    assert tracker.observe("d0", now_ns - 5, 1).accepted  # the real stream goes on
+    assert tracker.observe("d0", now_ns + 1, 0).restarted  # a restart within the skew
 
 
 # --------------------------------------------------------------- fluidpd up (processes)

@@ -255,7 +255,9 @@ class Cluster:
     def add_worker(self, worker_id: str, role: str) -> ChildProcess:
         """Spawn one worker with the spec's flags (``Cluster.start`` uses it for every
         worker; tests use it to add a replacement). Returns at once, without waiting for
-        readiness; ``stop()`` stops it too. Mutates ``self.workers``. Raises OSError."""
+        readiness; ``stop()`` stops it too. Mutates ``self.workers`` (and, with NATS auth,
+        adds the worker's user to nats-server first, by a config reload). Raises OSError, or
+        ClusterStartError when nats-server does not take the new user."""
         spec = self.spec
         argv = [spec.python, "-m", f"services.{role}_worker", "--id", worker_id]
         argv += ["--nats", self.nats_url, "--model", spec.model, "--engine", spec.engine]
