@@ -196,7 +196,7 @@ def test_worker_cannot_speak_for_another(up: tuple[UpProcess, dict[str, Any]]) -
         SUBJECTS.worker_switch("d0"),
         SUBJECTS.controller_policy(),
         SUBJECTS.controller_status(),
-        f"$KV.{SUBJECTS.registry_bucket()}.d0",
+        SUBJECTS.registry_key("d0"),
     ):
         errors = raw_publish(HOST, port, subject, b"{}", user=user, password=password)
         assert _violations(errors), (subject, errors)

@@ -77,7 +77,7 @@ def _registry(subjects: Subjects, write_key: str | None) -> tuple[str, ...]:
         "$JS.FC.>",
     ]
     if write_key is not None:
-        subs.append(f"$KV.{subjects.registry_bucket()}.{write_key}")
+        subs.append(subjects.registry_key(write_key))
     return tuple(subs)
 
 
@@ -99,7 +99,7 @@ def permissions(kind: str, subjects: Subjects, worker_id: str = WILDCARD) -> Per
         return Permissions(
             publish=(s.worker_prefill(any_), s.worker_cancel(any_), *_registry(s, None)),
             subscribe=(
-                f"{s.prefix}.router.{any_}.tokens.{any_}",
+                s.router_tokens_in(any_),
                 s.telemetry_all(),
                 s.events(any_),
                 inbox,
@@ -122,7 +122,7 @@ def permissions(kind: str, subjects: Subjects, worker_id: str = WILDCARD) -> Per
     return Permissions(
         publish=(
             *(getattr(s, f"worker_{verb}")(any_) for verb in peer_verbs),
-            f"{s.prefix}.router.{any_}.tokens.{own}",
+            s.router_tokens_from(any_, own),
             s.telemetry(any_, own),
             s.events(own),
             *_registry(s, own),

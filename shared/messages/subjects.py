@@ -75,12 +75,16 @@ class Subjects:
             raise ValueError(f"not a token address: {tokens_subject!r}")
         if parts[0] != "router" or parts[2] != "tokens" or parts[1] == WILDCARD:
             raise ValueError(f"not a token address: {tokens_subject!r}")
-        check_id(parts[1], "router id")
-        return f"{tokens_subject}.{check_id(worker_id, 'worker id')}"
+        return self.router_tokens_from(parts[1], worker_id)
+
+    def router_tokens_from(self, router_id: str, worker_id: str) -> str:
+        """Token batches from worker ``worker_id`` to router ``router_id`` (either may be
+        ``*``, for subscriptions and permissions)."""
+        return f"{self.router_tokens(router_id)}.{check_id(worker_id, 'worker id')}"
 
     def router_tokens_in(self, router_id: str) -> str:
         """The router's subscription: its token address from every worker."""
-        return f"{self.router_tokens(router_id)}.{WILDCARD}"
+        return self.router_tokens_from(router_id, WILDCARD)
 
     def publisher_of(self, subject: str) -> str | None:
         """The worker id a stream subject names as its publisher (token, telemetry and
@@ -129,6 +133,11 @@ class Subjects:
     def registry_bucket(self) -> str:
         """JetStream KV bucket of worker records (``fluidpd_registry`` by default)."""
         return self.prefix.replace(".", "_") + "_registry"
+
+    def registry_key(self, worker_id: str) -> str:
+        """The JetStream subject a put/delete of ``worker_id``'s registry record goes to
+        (``*``: any record; for permissions)."""
+        return f"$KV.{self.registry_bucket()}.{check_id(worker_id, 'worker id')}"
 
     # --- metrics labels -----------------------------------------------------------------
     def pattern(self, subject: str) -> str:
