@@ -27,6 +27,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from services.common.cluster import Cluster, ClusterSpec
 from services.common.nats_auth import permissions
 from services.common.nats_server import find_nats_server_binary, free_port
 from shared.bus import Bus, BusConfig, BusConnectionError
@@ -336,6 +337,26 @@ def _metric(text: str, needle: str) -> float:
         for line in text.splitlines()
         if needle in line and not line.startswith("#")
     )
+
+
+def test_a_replacement_worker_gets_its_own_user(tmp_path: Path) -> None:
+    """Cluster.add_worker with a new id adds its user to the running nats-server (reload)."""
+    spec = ClusterSpec(
+        prefill=1, decode=0, model="tiny", engine="emulated", nats_auth=True,
+        with_controller=False, with_router=False, log_dir=tmp_path,
+    )  # fmt: skip
+    cluster = Cluster(spec)
+    try:
+        cluster.start()
+        cluster.add_worker("p7", "prefill")  # not in the spec: a reload adds its user
+        cluster.wait_ready(90)  # p0 and p7 logged in with their own users and registered
+        state = {"pids": cluster.pids()}
+        assert _child_credentials(state, "p7")[0] == "worker-p7"
+        port = int(cluster.nats_url.rsplit(":", 1)[1])
+        with pytest.raises(WireError, match="Authorization Violation"):
+            ping(HOST, port)
+    finally:
+        cluster.stop()
 
 
 # ------------------------------------------------------------------------ secrets, TLS
