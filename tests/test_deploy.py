@@ -38,6 +38,8 @@ import yaml
 from packaging.requirements import Requirement
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.nats_auth import password_env, render_deploy_authorization
+from shared.messages import Subjects
 from tests.support.nats_server import NatsServer, free_port
 from tests.support.nats_wire import WireError, ping
 
@@ -49,10 +51,10 @@ CPU = DEPLOY / "compose.cpu.yml"
 SCHEMA = REPO / "tests" / "schemas" / "compose-spec.json"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "fluidpd.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+NATS_KINDS = ("router", "controller", "worker", "operator")
 SECRETS = {
     "FLUIDPD_CLUSTER_SECRET": "deploy-test-cluster-secret",
-    "FLUIDPD_NATS_USER": "fluidpd",
-    "FLUIDPD_NATS_PASSWORD": "3f9c2a7d41b0e8c6",
+    **{password_env(k): f"3f9c2a7d41b0e8c6-{k}" for k in NATS_KINDS},
 }
 WORKER_MODULES = {"services.prefill_worker": "prefill", "services.decode_worker": "decode"}
 # Metrics the dashboard/alerts use that no process exports yet (none: keep it that way).
@@ -143,7 +145,8 @@ def test_base_defines_nats_controller_router_and_eight_pinned_workers() -> None:
         assert env["UCXPY_PROGRESS_MODE"] == "blocking" and env["UCX_WARN_UNUSED_ENV_VARS"] == "n"
         assert svc["ipc"] == "host" and svc["shm_size"] and svc["ulimits"]["memlock"] == -1
         assert env["FLUIDPD_CLUSTER_SECRET"] == SECRETS["FLUIDPD_CLUSTER_SECRET"]
-        assert env["FLUIDPD_NATS_PASSWORD"] == SECRETS["FLUIDPD_NATS_PASSWORD"]
+        assert env["FLUIDPD_NATS_USER"] == "worker"  # the kind-wide least-privilege user
+        assert env["FLUIDPD_NATS_PASSWORD"] == SECRETS[password_env("worker")]
         assert env["FLUIDPD_NATS_URL"] == "nats://nats:4222"
         assert svc["depends_on"]["nats"]["condition"] == "service_healthy"
         metrics_ports.add(env["FLUIDPD_METRICS_PORT"])
@@ -153,6 +156,12 @@ def test_base_defines_nats_controller_router_and_eight_pinned_workers() -> None:
     nats = services["nats"]
     assert nats["command"][:2] == ["-c", "/etc/nats/nats.conf"]
     assert "./deploy/nats/nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
+    assert "./deploy/nats/auth.conf:/etc/nats/auth.conf:ro" in nats["volumes"]
+    for kind in ("router", "controller"):
+        env = services[kind]["environment"]
+        assert env["FLUIDPD_NATS_USER"] == kind
+        assert env["FLUIDPD_NATS_PASSWORD"] == SECRETS[password_env(kind)]
+    assert {password_env(k) for k in NATS_KINDS} <= nats["environment"].keys()
     assert "js-enabled-only=true" in " ".join(nats["healthcheck"]["test"])
     assert any(str(p).endswith(":8222") for p in nats["ports"])
     profiled = {n for n, s in services.items() if s.get("profiles")}
@@ -163,7 +172,12 @@ def test_base_defines_nats_controller_router_and_eight_pinned_workers() -> None:
 def test_nats_conf_turns_on_jetstream_and_env_credentials() -> None:
     conf = (DEPLOY / "nats" / "nats.conf").read_text()
     assert re.search(r"^jetstream\s*\{", conf, re.M)
-    assert "user: $FLUIDPD_NATS_USER" in conf and "password: $FLUIDPD_NATS_PASSWORD" in conf
+    assert re.search(r'^include "auth.conf"', conf, re.M)
+    # The users are generated from shared/messages/subjects.py: the file must not drift.
+    auth = (DEPLOY / "nats" / "auth.conf").read_text()
+    assert auth == render_deploy_authorization(Subjects())
+    for kind in NATS_KINDS:
+        assert f"user: {kind}, password: ${password_env(kind)}," in auth
     assert re.search(r"^http_port:\s*8222", conf, re.M)
 
 
@@ -175,7 +189,7 @@ def test_secrets_are_required(var: str) -> None:
         with pytest.raises(ct.InterpolationError, match=var):
             ct.load_project(files, env)
     shipped = ct.read_env_file(REPO / ".env.example")
-    assert shipped.get(var, "") in ("", "fluidpd")  # no real secret ships in the example
+    assert shipped.get(var, "") == ""  # no real secret ships in the example
 
 
 def test_worker_node_override_joins_remote_nats_on_host_network() -> None:
@@ -579,8 +593,8 @@ def cpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluste
         [*argv, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor_port)],
         store,
         port=port,
-        user=nats_env["FLUIDPD_NATS_USER"],
-        password=nats_env["FLUIDPD_NATS_PASSWORD"],
+        user="operator",
+        password=nats_env[password_env("operator")],
     )
     with pytest.MonkeyPatch.context() as mp:  # nats-server reads $FLUIDPD_NATS_* from its env
         for key, value in nats_env.items():

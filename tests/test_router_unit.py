@@ -364,7 +364,7 @@ class FakeWorkers:
         batch = TokenBatch(
             publisher_id=publisher, epoch=seq.epoch, seq=seq.next_seq(subject), items=tuple(items)
         )
-        await self.bus.publish(subject, batch)
+        await self.bus.publish(self.subjects.tokens_from(subject, publisher), batch)
 
     async def on_prefill(self, msg: PrefillRequest) -> None:
         self.received.append(msg)

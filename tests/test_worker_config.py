@@ -8,6 +8,11 @@ from services.worker.config import WorkerConfig
 from services.worker.main import config_from_args, main
 
 
+@pytest.fixture(autouse=True)
+def _cluster_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLUIDPD_CLUSTER_SECRET", "test-secret")
+
+
 def test_flags_reach_the_config() -> None:
     cfg = config_from_args(
         "decode",
@@ -73,3 +78,16 @@ def test_log_level_comes_from_the_environment(
     assert main("decode", ["--id", "d1"]) == 2
     err = capsys.readouterr().err
     assert "FLUIDPD_LOG_LEVEL='loud'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_no_cluster_secret_exits_2_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for value in (None, "", "   "):
+        if value is None:
+            monkeypatch.delenv("FLUIDPD_CLUSTER_SECRET", raising=False)
+        else:
+            monkeypatch.setenv("FLUIDPD_CLUSTER_SECRET", value)
+        assert main("decode", ["--id", "d1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "FLUIDPD_CLUSTER_SECRET" in err[0], err

@@ -86,7 +86,9 @@ class BenchBusClient:
     async def __aenter__(self) -> BenchBusClient:
         await self.bus.start()
         s = self.subjects
-        await self.bus.subscribe_stream(s.router_tokens(self.router_id), TokenBatch, self._on_batch)
+        await self.bus.subscribe_stream(
+            s.router_tokens_in(self.router_id), TokenBatch, self._on_batch
+        )
         await self.bus.subscribe_stream(s.telemetry_all(), WorkerTelemetry, self._on_telemetry)
         await self.bus.subscribe_stream(s.events("*"), StateEvent, self._on_event)
         self.watcher = RegistryWatcher(self.bus)

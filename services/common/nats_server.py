@@ -53,6 +53,9 @@ class LocalNatsServer:
     port: int
     host: str = "127.0.0.1"
     binary: Path | None = None
+    # A nats-server config file (services/common/nats_auth.py writes one with users and
+    # permissions); it then holds host, port and JetStream settings too.
+    config_file: Path | None = None
 
     @classmethod
     def on_free_port(cls, store_dir: Path, host: str = "127.0.0.1") -> LocalNatsServer:
@@ -70,6 +73,8 @@ class LocalNatsServer:
 
     def argv(self) -> list[str]:
         binary = self.binary or find_nats_server_binary()
+        if self.config_file is not None:
+            return [str(binary), "-c", str(self.config_file)]
         return [
             str(binary),
             "-a",

@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-user", default=env("FLUIDPD_NATS_USER", ""))
     p.add_argument("--nats-password", default=env("FLUIDPD_NATS_PASSWORD", ""))
     p.add_argument("--nats-creds", default=env("FLUIDPD_NATS_CREDS", ""))
+    p.add_argument("--nats-tls-ca", default=env("FLUIDPD_NATS_TLS_CA", ""))
     p.add_argument("--subject-prefix", default=env("FLUIDPD_SUBJECT_PREFIX", "fluidpd"))
     p.add_argument(
         "--policy-config",
@@ -81,6 +82,7 @@ def config_from_args(argv: list[str] | None) -> ControllerConfig:
         nats_user=a.nats_user,
         nats_password=a.nats_password,
         nats_creds=a.nats_creds,
+        nats_tls_ca=a.nats_tls_ca,
         metrics_host=a.metrics_host,
         subject_prefix=a.subject_prefix,
         policy=policy,

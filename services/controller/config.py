@@ -22,6 +22,7 @@ class ControllerConfig:
     nats_user: str = ""
     nats_password: str = field(default="", repr=False)
     nats_creds: str = ""
+    nats_tls_ca: str = ""
     subject_prefix: str = "fluidpd"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     auto: bool = True

@@ -59,6 +59,8 @@ class Controller(Service):
             credentials = {"user": config.nats_user, "password": config.nats_password}
         elif config.nats_creds:
             credentials = {"creds_file": config.nats_creds}
+        if config.nats_tls_ca:
+            credentials["tls_ca_file"] = config.nats_tls_ca
         self.bus = Bus(
             BusConfig.from_url(config.nats_url, name=config.controller_id, **credentials),
             self.subjects,

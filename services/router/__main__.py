@@ -29,6 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-user", default=env("FLUIDPD_NATS_USER", ""))
     p.add_argument("--nats-password", default=env("FLUIDPD_NATS_PASSWORD", ""))
     p.add_argument("--nats-creds", default=env("FLUIDPD_NATS_CREDS", ""))
+    p.add_argument("--nats-tls-ca", default=env("FLUIDPD_NATS_TLS_CA", ""))
+    p.add_argument(
+        "--api-key",
+        default=env("FLUIDPD_API_KEY", ""),
+        help="require 'Authorization: Bearer <key>' on /v1/* (prefer the env var: "
+        "a flag shows in ps)",
+    )
     p.add_argument("--subject-prefix", default=env("FLUIDPD_SUBJECT_PREFIX", "fluidpd"))
     p.add_argument("--model", default=env("FLUIDPD_MODEL", "smollm2-135m"))
     p.add_argument("--served-model-name", default=env("FLUIDPD_SERVED_MODEL_NAME", ""))
@@ -73,6 +80,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         nats_user=args.nats_user,
         nats_password=args.nats_password,
         nats_creds=args.nats_creds,
+        nats_tls_ca=args.nats_tls_ca,
+        api_key=args.api_key,
         subject_prefix=args.subject_prefix,
         model=args.model,
         served_model_name=args.served_model_name,

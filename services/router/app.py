@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from services.common.service import Service
 from services.router.admission import AdmissionGate
+from services.router.auth import Unauthorized, check_api_key, needs_api_key
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError, BadRequest, error_body, error_type_for
@@ -104,6 +105,8 @@ class Router(Service):
             bus_options.update(user=cfg.nats_user, password=cfg.nats_password)
         if cfg.nats_creds:
             bus_options["creds_file"] = cfg.nats_creds
+        if cfg.nats_tls_ca:
+            bus_options["tls_ca_file"] = cfg.nats_tls_ca
         self.bus = Bus(
             BusConfig.from_url(cfg.nats_url, **bus_options), self.subjects, registry=self.registry
         )
@@ -114,7 +117,7 @@ class Router(Service):
         self.watcher = RegistryWatcher(self.bus, on_change=self.dispatcher.on_registry_change)
         await self.watcher.start(timeout_s=cfg.registry_timeout_s)
         await self.bus.subscribe_stream(
-            self.dispatcher.tokens_subject,
+            self.subjects.router_tokens_in(cfg.id),
             TokenBatch,
             self.dispatcher.on_tokens,
             on_gap=self.dispatcher.on_stream_gap,
@@ -196,6 +199,12 @@ class Router(Service):
     async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         endpoint = request.path if request.path in ENDPOINTS else "other"
         try:
+            if self.cfg.api_key and needs_api_key(request.path):
+                try:
+                    check_api_key(self.cfg.api_key, request.headers.get("Authorization"))
+                except Unauthorized:
+                    self.metrics.unauthorized_total.inc()
+                    raise
             response = await handler(request)
         except web.HTTPException as exc:  # 404/405 from routing: OpenAI shape as well
             response = web.json_response(

@@ -34,6 +34,8 @@ class RouterConfig:
     nats_user: str = ""
     nats_password: str = field(default="", repr=False)
     nats_creds: str = ""
+    nats_tls_ca: str = ""
+    api_key: str = field(default="", repr=False)  # "": the OpenAI routes are open
     subject_prefix: str = "fluidpd"
     model: str = "smollm2-135m"
     served_model_name: str = ""

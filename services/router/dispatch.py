@@ -83,15 +83,35 @@ class Dispatcher:
         for item in batch.items:
             entry = self.in_flight.get(item.request_id)
             if entry is not None:
-                if batch.publisher_id not in (entry.prefill_id, entry.decode_id):
-                    # A live migration moved the request to another decode worker: that
-                    # worker now holds it (for worker-loss handling).
-                    entry.decode_id = batch.publisher_id
+                if not self._may_publish(entry, batch.publisher_id):
+                    self.metrics.foreign_token_items_total.inc()
+                    log.warning(
+                        "token_item_foreign",
+                        request_id=item.request_id,
+                        publisher=batch.publisher_id,
+                    )
+                    continue
                 if item.token_ids or item.finish_reason is not None:
                     # Admitted and running (or over): the decode worker's telemetry now
                     # counts it, so the pairing stops counting it as in flight to it.
                     self.policy.settle(item.request_id)
                 entry.stream.offer(item, now)
+
+    def _may_publish(self, entry: InFlight, publisher_id: str) -> bool:
+        """Whether ``publisher_id`` may stream ``entry``'s tokens; rebinds on a migration.
+
+        The bus has already checked that the batch came from ``publisher_id`` (its subject
+        names it, and NATS lets a worker publish only under its own id). The paired workers
+        may; another worker only as the target of a live migration: it is an Active decode
+        worker and the request's decode worker no longer is (it drains). Mutates
+        ``entry.decode_id`` then, so worker-loss handling follows the request."""
+        if publisher_id in (entry.prefill_id, entry.decode_id):
+            return True
+        active = {w.worker_id for w in self._workers("decode")}
+        if publisher_id in active and entry.decode_id not in active:
+            entry.decode_id = publisher_id
+            return True
+        return False
 
     def on_registry_change(self, change: RegistryChange) -> None:
         """A worker left: end the requests it still holds (prefill side: only requests

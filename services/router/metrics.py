@@ -26,6 +26,8 @@ class RouterMetrics:
     prompt_tokens_total: Counter
     completion_tokens_total: Counter
     submit_retries_total: Counter
+    foreign_token_items_total: Counter
+    unauthorized_total: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> RouterMetrics:
@@ -70,6 +72,16 @@ class RouterMetrics:
             ),
             submit_retries_total=Counter(
                 p + "submit_retries_total", "Submissions retried on another pair", registry=registry
+            ),
+            foreign_token_items_total=Counter(
+                p + "foreign_token_items_total",
+                "Token items dropped: sent by a worker not serving the request",
+                registry=registry,
+            ),
+            unauthorized_total=Counter(
+                p + "unauthorized_total",
+                "API requests refused: no or wrong API key",
+                registry=registry,
             ),
         )
 

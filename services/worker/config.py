@@ -101,6 +101,13 @@ class WorkerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if not self.cluster_secret.strip():
+            # The secret seals KV tickets and envelopes: a well-known default would let any
+            # host that reaches UCX write into this worker's blocks.
+            raise ValueError(
+                "no cluster secret: set FLUIDPD_CLUSTER_SECRET (the same on every worker; "
+                "`fluidpd up` generates one)"
+            )
 
     @property
     def expire_margin(self) -> float | None:

@@ -56,7 +56,6 @@ from shared.transfer.ucx_node import TransferNode
 log = structlog.get_logger(__name__)
 
 # Used only when no cluster secret is configured (a warning is logged): local development.
-_INSECURE_DEFAULT_SECRET = b"fluidpd-insecure-default-secret"
 
 
 class WorkerRuntime(Service):
@@ -97,9 +96,7 @@ class WorkerRuntime(Service):
         self.node = TransferNode()
         await self.node.start()
         self._stack.push_async_callback(self.node.close)
-        secret = self.secret = cfg.secret_bytes or _INSECURE_DEFAULT_SECRET
-        if not cfg.secret_bytes:
-            log.warning("no_cluster_secret", hint="set FLUIDPD_CLUSTER_SECRET in production")
+        secret = self.secret = cfg.secret_bytes  # never empty (WorkerConfig checks)
         self.sender = KVSender(
             self.node, worker_id=cfg.worker_id, fingerprint=fingerprint, secret=secret
         )
@@ -318,7 +315,9 @@ class WorkerRuntime(Service):
             waiters, self._flush_waiters = self._flush_waiters, []
             for subject, batch in self.streamer.take():
                 try:
-                    await self.bus.publish(subject, batch)  # type: ignore[arg-type]
+                    # Under our own id: NATS lets this worker publish nowhere else.
+                    own = self.subjects.tokens_from(subject, self.cfg.worker_id)
+                    await self.bus.publish(own, batch)  # type: ignore[arg-type]
                 except Exception:
                     log.exception("token_publish_failed", subject=subject)
             for fut in waiters:

@@ -143,6 +143,7 @@ class Bus:
             user_credentials=cfg.creds_file,
             tls=cfg.tls_context(),
             tls_hostname=cfg.tls_hostname,
+            inbox_prefix=cfg.reply_inbox_prefix(),
             reconnected_cb=self._on_reconnected,
             disconnected_cb=self._on_disconnected,
             error_cb=self._on_error,
@@ -385,6 +386,7 @@ class Bus:
                 tracker=seq_tracker,
                 on_gap=on_gap,
                 metrics=self.metrics,
+                subject_publisher=self.subjects.publisher_of(msg.subject),
             )
 
         sub = await nc.subscribe(subject, cb=on_message)

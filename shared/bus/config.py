@@ -14,7 +14,10 @@ class BusConfig:
     file (JWT + nkey); at most one kind. TLS: ``tls_ca_file`` (verify the server) and
     optionally ``tls_cert_file``/``tls_key_file`` (client certificate). Reconnects are
     retried forever; the *first* connect is retried until ``initial_connect_deadline_s``
-    (None: forever). Secrets are left out of ``repr``.
+    (None: forever). Secrets are left out of ``repr``. ``inbox_prefix``: where replies to
+    this client's requests arrive; "" means ``_INBOX_<user>`` with a user, else
+    ``_INBOX`` (least-privilege users may read only their own inbox:
+    services/common/nats_auth.py).
     """
 
     servers: tuple[str, ...] = ("nats://127.0.0.1:4222",)
@@ -28,6 +31,7 @@ class BusConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_hostname: str | None = None
+    inbox_prefix: str = ""
     connect_timeout_s: float = 2.0
     initial_connect_deadline_s: float | None = 30.0
     reconnect_wait_s: float = 0.25
@@ -74,6 +78,12 @@ class BusConfig:
         servers = tuple(u.strip() for u in url.split(",") if u.strip())
         return cls(servers=servers, **overrides)  # type: ignore[arg-type]
 
+    def reply_inbox_prefix(self) -> str:
+        """The inbox prefix this client uses (see the class docstring). Pure."""
+        if self.inbox_prefix:
+            return self.inbox_prefix
+        return inbox_prefix_for(self.user) if self.user else "_INBOX"
+
     def tls_context(self) -> ssl.SSLContext | None:
         """An SSL context when TLS is configured, else None. Reads the files named."""
         if self.tls_ca_file is None and self.tls_cert_file is None:
@@ -82,3 +92,8 @@ class BusConfig:
         if self.tls_cert_file is not None and self.tls_key_file is not None:
             context.load_cert_chain(self.tls_cert_file, self.tls_key_file)
         return context
+
+
+def inbox_prefix_for(user: str) -> str:
+    """The reply inbox prefix of NATS user ``user`` (its permissions allow only this one)."""
+    return f"_INBOX_{user}"

@@ -117,16 +117,25 @@ async def handle_stream(
     tracker: SequenceTracker,
     on_gap: Callable[[str, int], Any] | None,
     metrics: BusMetrics,
+    subject_publisher: str | None = None,
 ) -> None:
     """Decode one stream message, apply the sequence tracker, call ``callback``.
 
-    Invalid and duplicate messages are counted and dropped. Never raises (except cancel).
+    ``subject_publisher``: the worker id the subject names (``Subjects.publisher_of``);
+    NATS permissions let only that worker publish there, so a message claiming another
+    ``publisher_id`` is forged and dropped before it can touch the tracker.
+    Invalid, forged and duplicate messages are counted and dropped. Never raises (except
+    cancel).
     """
     start_s = time.perf_counter()
     try:
         msg = decode_with_format(data, msg_type)[0]
-        seen = tracker.observe(msg.publisher_id, msg.epoch, msg.seq)
-        if not seen.accepted:
+        forged = subject_publisher is not None and msg.publisher_id != subject_publisher
+        seen = None if forged else tracker.observe(msg.publisher_id, msg.epoch, msg.seq)
+        if seen is None:
+            outcome = "forged"
+            log.warning("bus.stream_forged_publisher", subject=label, publisher=subject_publisher)
+        elif not seen.accepted:
             outcome = "duplicate"
         else:
             if seen.gap:

@@ -8,7 +8,10 @@ highest (epoch, seq) seen and classifies each new message:
 * ahead by k > 1 → accepted, ``gap = k - 1`` messages were lost;
 * at or behind the last seen (duplicate, or a reordered old one) → dropped;
 * a newer epoch → the publisher restarted: accepted, the stream starts over (no gap);
-* an older epoch → a late message from a dead incarnation: dropped.
+* an older epoch → a late message from a dead incarnation: dropped;
+* an epoch in the future (beyond ``MAX_EPOCH_AHEAD_NS`` of the receiver's wall clock) →
+  dropped: an epoch is a start time, and accepting one from the future would let a single
+  forged message silence the real publisher until its clock catches up.
 
 The first message seen from a publisher is accepted whatever its seq (we may have
 subscribed mid-stream).
@@ -17,7 +20,11 @@ subscribed mid-stream).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+# Clock skew tolerated between a publisher and a receiver on other hosts.
+MAX_EPOCH_AHEAD_NS = 60 * 10**9
 
 
 @dataclass(frozen=True)
@@ -35,16 +42,27 @@ class SequenceTracker:
     Memory: one entry per publisher seen; call :meth:`forget` when one leaves.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        max_epoch_ahead_ns: int = MAX_EPOCH_AHEAD_NS,
+        clock_ns: Callable[[], int] = time.time_ns,
+    ) -> None:
         self._last: dict[str, tuple[int, int]] = {}
+        self._max_epoch_ahead_ns = max_epoch_ahead_ns
+        self._clock_ns = clock_ns
         self.gaps_total = 0
         self.dropped_total = 0
+        self.future_epochs_total = 0
 
     def observe(self, publisher_id: str, epoch: int, seq: int) -> Observation:
         """Classify a message and, if accepted, advance the publisher's position.
 
         Mutates the tracker. Never raises.
         """
+        if epoch > self._clock_ns() + self._max_epoch_ahead_ns:
+            self.future_epochs_total += 1
+            self.dropped_total += 1
+            return Observation(accepted=False)
         last = self._last.get(publisher_id)
         if last is None:
             self._last[publisher_id] = (epoch, seq)

@@ -62,7 +62,43 @@ class Subjects:
 
     # --- streams ------------------------------------------------------------------------
     def router_tokens(self, router_id: str) -> str:
+        """The router's token address, carried in requests (``tokens_subject``). Workers
+        publish under it with their own id appended (``tokens_from``), so NATS permissions
+        authenticate who sent a batch."""
         return f"{self.prefix}.router.{check_id(router_id, 'router id')}.tokens"
+
+    def tokens_from(self, tokens_subject: str, worker_id: str) -> str:
+        """Where worker ``worker_id`` publishes batches for ``tokens_subject`` (a
+        ``router_tokens`` address). Raises ValueError for anything else."""
+        parts = tokens_subject[len(self.prefix) + 1 :].split(".")
+        if not tokens_subject.startswith(self.prefix + ".") or len(parts) != 3:
+            raise ValueError(f"not a token address: {tokens_subject!r}")
+        if parts[0] != "router" or parts[2] != "tokens" or parts[1] == WILDCARD:
+            raise ValueError(f"not a token address: {tokens_subject!r}")
+        return self.router_tokens_from(parts[1], worker_id)
+
+    def router_tokens_from(self, router_id: str, worker_id: str) -> str:
+        """Token batches from worker ``worker_id`` to router ``router_id`` (either may be
+        ``*``, for subscriptions and permissions)."""
+        return f"{self.router_tokens(router_id)}.{check_id(worker_id, 'worker id')}"
+
+    def router_tokens_in(self, router_id: str) -> str:
+        """The router's subscription: its token address from every worker."""
+        return self.router_tokens_from(router_id, WILDCARD)
+
+    def publisher_of(self, subject: str) -> str | None:
+        """The worker id a stream subject names as its publisher (token, telemetry and
+        event subjects), else None. NATS permissions let a worker publish only under its
+        own id, so receivers drop messages whose ``publisher_id`` differs. Pure."""
+        head = self.prefix + "."
+        if not subject.startswith(head):
+            return None
+        match subject[len(head) :].split("."):
+            case ["router", _, "tokens", worker_id]:
+                return worker_id
+            case ["telemetry", _, worker_id] | ["events", worker_id]:
+                return worker_id
+        return None
 
     def telemetry(self, role: str, worker_id: str) -> str:
         if role != WILDCARD and role not in ROLES:
@@ -98,6 +134,11 @@ class Subjects:
         """JetStream KV bucket of worker records (``fluidpd_registry`` by default)."""
         return self.prefix.replace(".", "_") + "_registry"
 
+    def registry_key(self, worker_id: str) -> str:
+        """The JetStream subject a put/delete of ``worker_id``'s registry record goes to
+        (``*``: any record; for permissions)."""
+        return f"$KV.{self.registry_bucket()}.{check_id(worker_id, 'worker id')}"
+
     # --- metrics labels -----------------------------------------------------------------
     def pattern(self, subject: str) -> str:
         """A bounded-cardinality label for ``subject``: ids replaced by ``*``.
@@ -111,7 +152,7 @@ class Subjects:
         match parts:
             case ["worker", _, verb] if verb in WORKER_VERBS:
                 return f"worker.*.{verb}"
-            case ["router", _, "tokens"]:
+            case ["router", _, "tokens"] | ["router", _, "tokens", _]:
                 return "router.*.tokens"
             case ["telemetry", role, _] if role in ROLES or role == WILDCARD:
                 return f"telemetry.{role}.*"

@@ -145,16 +145,21 @@ def raw_publish(
     timeout_s: float = 2.0,
     user: str | None = None,
     password: str | None = None,
-) -> None:
-    """``nats pub SUBJECT PAYLOAD``; returns once the server has processed it (PONG)."""
+) -> list[str]:
+    """``nats pub SUBJECT PAYLOAD``; returns once the server has processed it (PONG), with
+    the ``-ERR`` lines it sent meanwhile (e.g. a permissions violation; the server keeps
+    the connection open after one)."""
     conn = _Conn(host, port, timeout_s, user, password)
+    errors: list[str] = []
     try:
         conn.send(f"PUB {subject} {len(payload)}\r\n".encode() + payload + _CRLF)
         conn.send(b"PING" + _CRLF)
-        while conn.read_line() != b"PONG":
-            pass
+        while (line := conn.read_line()) != b"PONG":
+            if line.startswith(b"-ERR"):
+                errors.append(line.decode(errors="replace"))
     finally:
         conn.close()
+    return errors
 
 
 def ping(
@@ -176,3 +181,25 @@ def ping(
                 raise WireError(line.decode(errors="replace"))
     finally:
         conn.close()
+
+
+def raw_subscribe(
+    host: str,
+    port: int,
+    subject: str,
+    timeout_s: float = 2.0,
+    user: str | None = None,
+    password: str | None = None,
+) -> list[str]:
+    """``nats sub SUBJECT``, only as far as the server's verdict: returns the ``-ERR`` lines
+    it sent before answering a PING (empty: the subscription was accepted)."""
+    conn = _Conn(host, port, timeout_s, user, password)
+    errors: list[str] = []
+    try:
+        conn.send(f"SUB {subject} 1\r\nPING\r\n".encode())
+        while (line := conn.read_line()) != b"PONG":
+            if line.startswith(b"-ERR"):
+                errors.append(line.decode(errors="replace"))
+    finally:
+        conn.close()
+    return errors
