@@ -66,7 +66,9 @@ class RoleSwitcher:
         self.task = asyncio.ensure_future(self._run(rt.role, cmd.role))
         return SwitchReply(ok=True, from_role=rt.role, to_role=cmd.role)
 
-    async def _set_state(self, state: str, reason: str) -> None:
+    async def set_state(self, state: str, reason: str) -> None:
+        """Set the worker's state, write it to the registry and publish a StateEvent.
+        A failure to publish is logged, never raised."""
         rt = self.rt
         old, rt.state = rt.state, state
         event = StateEvent(
@@ -91,7 +93,7 @@ class RoleSwitcher:
     async def _run(self, from_role: Role, to_role: Role) -> None:
         rt = self.rt
         t0 = time.perf_counter()
-        await self._set_state("drain", f"switch {from_role}->{to_role}")
+        await self.set_state("drain", f"switch {from_role}->{to_role}")
         if from_role == "prefill":
             rt.prefill.admitting = False
             await self._hand_off_queue()
@@ -110,16 +112,16 @@ class RoleSwitcher:
         if not drained:
             log.warning("switch_cancelled", worker_id=rt.cfg.worker_id, reason="drain timeout")
             rt.prefill.admitting = rt.decode.admitting = True
-            await self._set_state("active", "switch cancelled: drain deadline")
+            await self.set_state("active", "switch cancelled: drain deadline")
             return
-        await self._set_state("switch", f"{from_role}->{to_role}")
+        await self.set_state("switch", f"{from_role}->{to_role}")
         t_reslice = time.perf_counter()
         lent_blocks = self._reslice(to_role)
         reslice_s = time.perf_counter() - t_reslice
         rt.role = to_role
         await rt.telemetry.follow_role(to_role)
         rt.prefill.admitting = rt.decode.admitting = True
-        await self._set_state("active", f"now {to_role}")
+        await self.set_state("active", f"now {to_role}")
         self.switches_total += 1
         self.last_durations_ms = {
             "drain_ms": (t_drain - t0) * 1e3,
