@@ -130,6 +130,13 @@ class DecodeRole(DecodeIntake):
             self.migrated_to.pop(next(iter(self.migrated_to)))
         self._finish(req)
 
+    def fail_frozen(self, req: DecodeRequest, error: str, code: str) -> None:
+        """End a frozen request whose migration outcome is unknown: error item, blocks
+        freed here, never resumed (the peer may hold it; migration.py cancels it there)."""
+        self._doomed.discard(req.request_id)
+        self._stream_error(req, error, code)
+        self._finish(req)
+
     # --------------------------------------------------------------------- cancel
     def cancel(self, request_id: str) -> bool:
         """Stop ``request_id`` and free its blocks (after the running step, if in one)."""
