@@ -5,10 +5,14 @@
   with another cluster secret, as during a secret rotation): the worker rolls back to
   Active(decode) with admission on, its requests resume there and complete, the peer's
   reservation is freed, and a later switch is accepted.
+* Two concurrent switch commands for the last two prefill workers: the controller's switch
+  lease refuses one (services/controller/leases.py), and the last prefill worker may not
+  leave.
 """
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -110,3 +114,34 @@ async def test_rejected_migration_rolls_the_switch_back(client: BusClient) -> No
     rid = await client.submit("p1", "d0", prompt(7, 100), 20)
     st = await client.result(rid, 30)
     assert st.error is None and len(st.indices) == 20, st
+
+
+async def test_concurrent_switches_cannot_empty_a_role(client: BusClient) -> None:
+    # p0 and p1 are the last two prefill workers; each one's local registry view sees the
+    # other Active, so only the controller's lease can refuse one of the two.
+    replies = await asyncio.gather(client.switch("p0", "decode"), client.switch("p1", "decode"))
+    assert sorted(r.ok for r in replies) == [False, True], replies
+    refused = next(r for r in replies if not r.ok)
+    assert refused.error and "prefill" in refused.error, refused
+    moved = "p0" if replies[0].ok else "p1"
+    stayed = "p1" if moved == "p0" else "p0"
+    assert client.watcher is not None
+    await client.watcher.wait_until(
+        lambda w: (r := w.get(moved)) is not None and (r.role, r.state) == ("decode", "active"),
+        20,
+    )
+    record = client.watcher.get(stayed)
+    assert record is not None and (record.role, record.state) == ("prefill", "active")
+    # The last prefill worker may not leave; once the other is back, it may.
+    last = await client.switch(stayed, "decode")
+    assert not last.ok and "no active prefill" in (last.error or ""), last
+    assert (await client.switch(moved, "prefill")).ok
+    await client.watcher.wait_until(
+        lambda w: (r := w.get(moved)) is not None and (r.role, r.state) == ("prefill", "active"),
+        20,
+    )
+    # Served end to end afterwards, nothing leaked.
+    rid = await client.submit(moved, "d0", prompt(11, 100), 10)
+    st = await client.result(rid, 30)
+    assert st.error is None and len(st.indices) == 10, st
+    assert await leaked_blocks(client, ["p0", "p1", "d0", "d1"]) == {}

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from services.worker.migration import migrate_out
+from services.worker.switch_lease import SwitchLease
 from shared.bus.errors import BusError
 from shared.errors import BlockStateError
 from shared.messages import Ack, Role, StateEvent, SwitchCommand, SwitchReply
@@ -39,6 +40,7 @@ log = structlog.get_logger(__name__)
 # The roles signal when work leaves them (``progress`` events), so the drain ends on that
 # signal; this period only re-checks for work that ended without one (e.g. a failed receive).
 _DRAIN_RECHECK_S = 0.05
+_FINISHING_S = 5.0  # bound on waiting for a finished switch's last registry write
 
 
 class RoleSwitcher:
@@ -55,18 +57,35 @@ class RoleSwitcher:
         self.migrate_min_remaining_s = migrate_min_remaining_s
         self.drain_timeout_s = drain_timeout_s
         self.task: asyncio.Task[None] | None = None
+        self.lease = SwitchLease(rt)
+        self._starting = False  # a command is waiting for its lease
         self.switches_total = 0
         self.last_durations_ms: dict[str, float] = {}
 
     async def on_switch(self, cmd: SwitchCommand) -> SwitchReply:
-        """Validate and start a switch; answer at once. Invalid commands change nothing."""
+        """Validate, take the controller's lease (switch_lease.py) and start a switch;
+        answer without waiting for it. Refused commands change nothing."""
         rt = self.rt
-        if rt.state != "active" or (self.task is not None and not self.task.done()):
+        if rt.state == "active" and self.task is not None and not self.task.done():
+            # The last switch is back to "active" and only finishing its state writes:
+            # let them land first, so the registry sees the states in order.
+            await asyncio.wait([self.task], timeout=_FINISHING_S)
+        busy = self._starting or (self.task is not None and not self.task.done())
+        if rt.state != "active" or busy:
             return SwitchReply(ok=False, error=f"a switch is already running (state {rt.state})")
         if cmd.role == rt.role:
             return SwitchReply(ok=False, error=f"worker {rt.cfg.worker_id} is already {rt.role}")
-        if not rt.active_peers(rt.role):
-            return SwitchReply(ok=False, error=f"switch would leave no active {rt.role} worker")
+        from_role = rt.role
+        self._starting = True
+        try:
+            refusal = await self.lease.acquire(from_role, cmd.role)
+        finally:
+            self._starting = False
+        if refusal is None and (rt.state != "active" or rt.role != from_role):
+            refusal = f"worker {rt.cfg.worker_id} changed meanwhile (state {rt.state})"
+            await self.lease.release(rt.role)
+        if refusal is not None:
+            return SwitchReply(ok=False, error=refusal)
         self.task = asyncio.ensure_future(self._run(rt.role, cmd.role))
         return SwitchReply(ok=True, from_role=rt.role, to_role=cmd.role)
 
@@ -106,6 +125,8 @@ class RoleSwitcher:
                 "switch_failed", worker_id=self.rt.cfg.worker_id, error=type(exc).__name__
             )
             await self._roll_back(from_role, f"switch failed: {type(exc).__name__}")
+        finally:
+            await self.lease.release(self.rt.role)  # no-op unless an exception skipped it
 
     async def _roll_back(self, from_role: Role, reason: str) -> None:
         """Back to Active(``from_role``): undo the flip if it happened, admit again."""
@@ -118,6 +139,7 @@ class RoleSwitcher:
             with contextlib.suppress(Exception):
                 await rt.telemetry.follow_role(from_role)
         rt.prefill.admitting = rt.decode.admitting = True
+        await self.lease.release(rt.role)  # before "active": a next command may come at once
         await self.set_state("active", reason)
 
     async def _switch(self, from_role: Role, to_role: Role) -> None:
@@ -155,6 +177,7 @@ class RoleSwitcher:
         rt.role = to_role
         await rt.telemetry.follow_role(to_role)
         rt.prefill.admitting = rt.decode.admitting = True
+        await self.lease.release(to_role)  # before "active": a next command may come at once
         await self.set_state("active", f"now {to_role}")
         self.switches_total += 1
         self.last_durations_ms = {
