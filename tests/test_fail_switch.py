@@ -92,7 +92,7 @@ async def test_rejected_migration_rolls_the_switch_back(client: BusClient) -> No
     assert record is not None and (record.role, record.state) == ("decode", "active")
     # The frozen requests resumed on d0 and complete with every token, from d0 only.
     for rid in rids:
-        st = await client.result(rid, 30)
+        st = await client.result(rid, 60)
         assert st.error is None and st.finish_reason == "length", st
         assert st.indices == list(range(300)), st.indices[:5]
         assert set(st.publishers) <= {"p0", "d0"}, set(st.publishers)
@@ -112,7 +112,7 @@ async def test_rejected_migration_rolls_the_switch_back(client: BusClient) -> No
     )
     # And d0 still serves decode work.
     rid = await client.submit("p1", "d0", prompt(7, 100), 20)
-    st = await client.result(rid, 30)
+    st = await client.result(rid, 60)
     assert st.error is None and len(st.indices) == 20, st
 
 
@@ -142,6 +142,6 @@ async def test_concurrent_switches_cannot_empty_a_role(client: BusClient) -> Non
     )
     # Served end to end afterwards, nothing leaked.
     rid = await client.submit(moved, "d0", prompt(11, 100), 10)
-    st = await client.result(rid, 30)
+    st = await client.result(rid, 60)
     assert st.error is None and len(st.indices) == 10, st
     assert await leaked_blocks(client, ["p0", "p1", "d0", "d1"]) == {}
