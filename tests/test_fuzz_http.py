@@ -126,6 +126,9 @@ def request_bodies(draw: st.DrawFn) -> dict[str, Any]:
 @FUZZ
 @given(body=request_bodies(), path=st.sampled_from(PATHS))
 def test_structured_bodies(cluster: Cluster, body: dict[str, Any], path: str) -> None:
+    # The other endpoint's prompt field is refused as unsupported (400): drop it, so valid
+    # bodies still reach generation.
+    body.pop("prompt" if path.endswith("chat/completions") else "messages", None)
     status, headers, raw = post(cluster.router_url + path, json.dumps(body).encode())
     event(f"status {status}")
     check_answer(status, headers, raw)

@@ -37,6 +37,8 @@ from shared.messages import (
     StreamSequencer,
     Subjects,
     SwitchCommand,
+    SwitchLeaseReply,
+    SwitchLeaseRequest,
     SwitchReply,
     TokenBatch,
     TokenItem,
@@ -189,6 +191,8 @@ SAMPLES = {
     StatusReply: StatusReply(auto=True, time_s=3.0),
     PolicyCommand: PolicyCommand(auto=False),
     PolicyReply: PolicyReply(ok=True, auto=False),
+    SwitchLeaseRequest: SwitchLeaseRequest(worker_id="p1", from_role="prefill", to_role="decode"),
+    SwitchLeaseReply: SwitchLeaseReply(ok=False, error="switch would leave no active prefill"),
     WorkerRecord: WorkerRecord(
         worker_id="d0",
         role="decode",

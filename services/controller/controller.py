@@ -23,6 +23,7 @@ from prometheus_client import start_http_server
 
 from services.common.service import Service, announce_ready
 from services.controller.config import ControllerConfig
+from services.controller.leases import SwitchLeases
 from services.controller.metrics import ControllerMetrics
 from services.controller.status import WorkerBook
 from shared.bus import Bus, BusConfig, BusError, RemoteError
@@ -36,6 +37,8 @@ from shared.messages import (
     StreamSequencer,
     Subjects,
     SwitchCommand,
+    SwitchLeaseReply,
+    SwitchLeaseRequest,
     SwitchReply,
     WorkerTelemetry,
 )
@@ -54,6 +57,7 @@ class Controller(Service):
         self.policy = RolePolicy(config.policy)
         self.policy.paused = not config.auto
         self.book = WorkerBook(config.policy.window_s, config.telemetry_stale_s)
+        self.leases = SwitchLeases()
         credentials: dict[str, Any] = {}
         if config.nats_user:
             credentials = {"user": config.nats_user, "password": config.nats_password}
@@ -97,6 +101,7 @@ class Controller(Service):
         await self.bus.subscribe_stream(s.telemetry_all(), WorkerTelemetry, self._on_telemetry)
         await self.bus.serve(s.controller_status(), StatusRequest, self._on_status)
         await self.bus.serve(s.controller_policy(), PolicyCommand, self._on_policy)
+        await self.bus.serve(s.controller_switch_lease(), SwitchLeaseRequest, self._on_lease)
         await self.bus.flush()
         if self.config.metrics_port:
             self._http = start_http_server(
@@ -138,6 +143,7 @@ class Controller(Service):
     def _on_change(self, change: RegistryChange) -> None:
         if change.kind == "removed":
             self.book.forget(change.worker_id)
+            self.leases.forget(change.worker_id)
 
     async def _on_telemetry(self, msg: WorkerTelemetry) -> None:
         self.book.observe(msg, time.monotonic())
@@ -167,6 +173,26 @@ class Controller(Service):
     async def _on_policy(self, cmd: PolicyCommand) -> PolicyReply:
         self.set_auto(cmd.auto)
         return PolicyReply(ok=True, auto=self.auto)
+
+    async def _on_lease(self, msg: SwitchLeaseRequest) -> SwitchLeaseReply:
+        """Grant or refuse a worker's switch (services/controller/leases.py), or release."""
+        now_s = time.monotonic()
+        if msg.release:
+            self.leases.release(msg.worker_id, msg.from_role, now_s)
+            log.info("switch_lease_released", worker_id=msg.worker_id, role=msg.from_role)
+            return SwitchLeaseReply(ok=True)
+        refusal = self.leases.acquire(
+            msg.worker_id, msg.from_role, msg.to_role, self.watcher.workers(), now_s
+        )
+        log.info(
+            "switch_lease",
+            worker_id=msg.worker_id,
+            from_role=msg.from_role,
+            to_role=msg.to_role,
+            granted=refusal is None,
+            reason=refusal,
+        )
+        return SwitchLeaseReply(ok=refusal is None, error=refusal)
 
     # --- policy loop --------------------------------------------------------------------
     async def decide_once(self) -> Decision:

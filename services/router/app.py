@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -26,7 +27,12 @@ from services.router.dispatch import Dispatcher
 from services.router.errors import ApiError, BadRequest, error_body, error_type_for
 from services.router.generate import GenerationHandler
 from services.router.metrics import RouterMetrics
-from services.router.openai_api import parse_chat, parse_completion, resolve_max_tokens
+from services.router.openai_api import (
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+    resolve_max_tokens,
+)
 from services.router.pairing import PressurePolicy, make_policy
 from shared.bus import Bus, BusConfig
 from shared.bus.registry import RegistryWatcher
@@ -40,6 +46,21 @@ log = structlog.get_logger("fluidpd.router")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# A body larger than this is decoded, templated and tokenized on the router's parse thread,
+# so a big prompt does not hold the event loop (every other stream's tokens) while it is
+# parsed; a smaller one is parsed inline, where the thread hop would cost more than it.
+PARSE_OFF_LOOP_BYTES = 64 * 1024
+
+
+def decode_json(raw: bytes) -> Any:
+    """The JSON value of a request body. Raises BadRequest (400) for invalid JSON and for
+    nesting deeper than the interpreter's recursion limit (a 500 otherwise)."""
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise BadRequest("the request body is not valid JSON") from None
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
 
 
 def error_response(exc: Exception) -> web.Response:
@@ -86,6 +107,7 @@ class Router(Service):
         self.dispatcher: Dispatcher | None = None
         self.generation: GenerationHandler | None = None
         self._runner: web.AppRunner | None = None
+        self._parse_executor: ThreadPoolExecutor | None = None
         self.port = cfg.port
         self._stopped = False
 
@@ -146,6 +168,7 @@ class Router(Service):
             gate=self.gate,
             short_prompt_tokens=cfg.short_prompt_tokens,
         )
+        self._parse_executor = ThreadPoolExecutor(1, thread_name_prefix="router-parse")
         self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.host, cfg.port)
@@ -175,6 +198,8 @@ class Router(Service):
             await self.watcher.stop()
         if self.bus is not None:
             await self.bus.stop()
+        if self._parse_executor is not None:
+            self._parse_executor.shutdown(wait=False, cancel_futures=True)
 
     # --- registry views -----------------------------------------------------------------
     def active_workers(self, role: str) -> list[WorkerRecord]:
@@ -226,18 +251,20 @@ class Router(Service):
         self.metrics.requests_total.labels(endpoint=endpoint, status=str(response.status)).inc()
         return response
 
-    async def _json_body(self, request: web.Request) -> Any:
-        raw = await request.read()
-        try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise BadRequest("the request body is not valid JSON") from None
-
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         assert self.tokenizer is not None and self.generation is not None
-        body = await self._json_body(request)
+        raw = await request.read()
         parse = parse_chat if kind == "chat" else parse_completion
-        req = parse(body, self.tokenizer, self.cfg.model_name)
+        tokenizer, model_name = self.tokenizer, self.cfg.model_name
+
+        def work() -> GenerationRequest:
+            return parse(decode_json(raw), tokenizer, model_name)
+
+        if len(raw) > PARSE_OFF_LOOP_BYTES and self._parse_executor is not None:
+            loop = asyncio.get_running_loop()
+            req = await loop.run_in_executor(self._parse_executor, work)
+        else:
+            req = work()
         limit = self.max_model_len()
         if limit is None:
             raise ApiError(

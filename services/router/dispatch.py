@@ -182,7 +182,9 @@ class Dispatcher:
 
     async def submit(self, req: GenerationRequest, max_tokens: int) -> InFlight:
         """Send the request to a pair (retrying once on another pair). Returns the
-        in-flight entry (the caller must ``release`` it). Raises Unavailable (503)."""
+        in-flight entry (the caller must ``release`` it). Raises Unavailable (503).
+        Cancelled meanwhile (client gone): the entry is released and the request cancelled
+        on both workers before CancelledError propagates."""
         request_id = uuid.uuid4().hex
         arrival_s = time.time()
         seed = req.seed if req.seed is not None else secrets.randbits(SEED_BITS)
@@ -232,6 +234,13 @@ class Dispatcher:
                     Ack,
                     timeout_s=self.cfg.submit_timeout_s,
                 )
+            except asyncio.CancelledError:
+                # The client went away (aiohttp cancels the handler) while the request was
+                # on its way: the worker may already hold it. Forget it here and cancel it
+                # on both workers, or it is computed in full for nobody.
+                self.release(entry)
+                self.cancel_soon(entry, "client_disconnected")
+                raise
             except (RemoteError, BusError) as exc:
                 self.in_flight.pop(request_id, None)
                 last_error = exc

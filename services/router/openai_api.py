@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from services.router.api_fields import check_fields
 from services.router.errors import BadRequest, ModelNotFound
 from shared.errors import FluidPDError
 from shared.tokenizer import Tokenizer
@@ -109,7 +110,7 @@ def _token_ids(value: Any, vocab_size: int, param: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _common(body: Any, model_name: str) -> dict[str, Any]:
+def _common(body: Any, model_name: str, kind: Literal["completion", "chat"]) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     model = body.get("model")
@@ -119,16 +120,7 @@ def _common(body: Any, model_name: str) -> dict[str, Any]:
         raise ModelNotFound(
             f"the model '{model}' does not exist; this server serves '{model_name}'", param="model"
         )
-    if body.get("n") not in (None, 1):
-        raise BadRequest("only n=1 is supported", param="n")
-    if body.get("best_of") not in (None, 1):
-        raise BadRequest("only best_of=1 is supported", param="best_of")
-    for name in ("logprobs", "top_logprobs", "echo"):
-        if body.get(name) not in (None, False):
-            raise BadRequest(f"'{name}' is not supported", param=name)
-    for name in ("frequency_penalty", "presence_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise BadRequest(f"'{name}' is not supported (must be 0)", param=name)
+    check_fields(body, kind)  # anything we do not implement: 400, never ignored
     stream_options = body.get("stream_options")
     include_usage = False
     if stream_options is not None:
@@ -175,7 +167,7 @@ def _finish(
 
 def parse_completion(body: Any, tokenizer: Tokenizer, model_name: str) -> GenerationRequest:
     """Validate a /v1/completions body. Raises BadRequest / ModelNotFound."""
-    common = _common(body, model_name)
+    common = _common(body, model_name, "completion")
     vocab = tokenizer.vocab_size
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -230,12 +222,10 @@ def _message_content(msg: Any, i: int) -> dict[str, Any]:
 
 def parse_chat(body: Any, tokenizer: Tokenizer, model_name: str) -> GenerationRequest:
     """Validate a /v1/chat/completions body and render its prompt. Raises BadRequest."""
-    common = _common(body, model_name)
+    common = _common(body, model_name, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", param="messages")
-    if body.get("tools"):
-        raise BadRequest("'tools' are not supported", param="tools")
     rendered = [_message_content(m, i) for i, m in enumerate(messages)]
     try:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)

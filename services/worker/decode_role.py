@@ -16,6 +16,12 @@ class); this file has the batch loop, cancellation, migration out and telemetry.
 Ownership: the block manager is touched only from the event loop thread. A step running in
 the engine thread writes KV only into blocks of requests in that step; a request cancelled
 meanwhile is freed after the step commits (``_doomed``), never during it.
+
+A step that raises (CUDA OOM, a device error, a bad id that got past intake) leaves the
+engine's state unknown, so the loop does not retry it: every request held here ends at once
+with an ``engine_failed`` error item, every block is freed, admission stops, and
+``on_engine_failure`` tells the runtime, which marks the worker ``failed`` and exits so a
+supervisor starts a fresh process (docs/reliability.md, "decode engine failure").
 """
 
 from __future__ import annotations
@@ -94,6 +100,9 @@ class DecodeRole(DecodeIntake):
         self.last_context_tokens = 0
         self.observe_stage: Callable[[str, float], None] = lambda _stage, _s: None
         self.observe_step: Callable[[int, int, int, float], None] = lambda *_a: None
+        # Called once, after a failed step has ended every request here (see the module doc).
+        self.on_engine_failure: Callable[[BaseException], None] = lambda _exc: None
+        self.engine_failed = False
 
     # ------------------------------------------------------------ migration out
     async def freeze(self, request_id: str) -> DecodeRequest | None:
@@ -121,6 +130,13 @@ class DecodeRole(DecodeIntake):
         self.migrations_out_total += 1
         while len(self.migrated_to) > _MAX_REMEMBERED_IDS:  # bounded: oldest first
             self.migrated_to.pop(next(iter(self.migrated_to)))
+        self._finish(req)
+
+    def fail_frozen(self, req: DecodeRequest, error: str, code: str) -> None:
+        """End a frozen request whose migration outcome is unknown: error item, blocks
+        freed here, never resumed (the peer may hold it; migration.py cancels it there)."""
+        self._doomed.discard(req.request_id)
+        self._stream_error(req, error, code)
         self._finish(req)
 
     # --------------------------------------------------------------------- cancel
@@ -236,6 +252,10 @@ class DecodeRole(DecodeIntake):
             started = time.perf_counter()
             try:
                 tokens = await loop.run_in_executor(self.executor, self.engine.step, steps, specs)
+            except Exception as exc:
+                self._in_step = set()
+                self._fail_all(exc, len(reqs))
+                return
             finally:
                 self._in_step = set()
             self.iterations_total += 1
@@ -253,6 +273,36 @@ class DecodeRole(DecodeIntake):
             self._publish()
             self.step_done.set()
             self.step_done.clear()
+
+    def _fail_all(self, exc: Exception, batch_size: int) -> None:
+        """The engine raised: end every request held here with a clear error and free its
+        blocks (a receive is cancelled: its reservation is freed by the receiver once UCX
+        lets go), stop admitting, then report to the runtime. Mutates the request table."""
+        self.engine_failed = True
+        self.admitting = False
+        # The exception's type and a bounded message only: never token ids or prompt text.
+        log.error(
+            "engine_step_failed",
+            error=type(exc).__name__,
+            detail=str(exc)[:200],
+            batch_size=batch_size,
+            requests=len(self.requests),
+        )
+        message = (
+            f"the decode worker's engine failed ({type(exc).__name__}) while serving this "
+            "request; retry"
+        )
+        for req in list(self.requests.values()):
+            self._stream_error(req, message, "engine_failed")
+            if req.phase == "receiving":
+                if req.receive_task is not None:
+                    req.receive_task.cancel()
+                self.requests.pop(req.request_id, None)
+            else:
+                self._finish(req)
+        self._doomed.clear()
+        self.progress.set()
+        self.on_engine_failure(exc)
 
     def _commit(
         self, steps: list[StepInput], tokens: list[int | None], reqs: list[DecodeRequest]

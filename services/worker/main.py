@@ -153,16 +153,23 @@ def config_from_args(role: str, argv: list[str] | None) -> WorkerConfig:
     )
 
 
-async def serve(cfg: WorkerConfig) -> None:
+async def serve(cfg: WorkerConfig) -> int:
+    """Run the worker until SIGINT/SIGTERM (returns 0) or until it must exit after an
+    engine failure (returns that status, services/worker/failure.py)."""
     from services.worker.runtime import WorkerRuntime
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with WorkerRuntime(cfg):
+    async with WorkerRuntime(cfg) as rt:
         announce_ready(f"worker_ready id={cfg.worker_id} role={cfg.role}")
-        await stop.wait()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(rt.fatal.wait())]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+        status = rt.exit_status
+    return status
 
 
 def main(role: str, argv: list[str] | None = None) -> int:
@@ -173,11 +180,11 @@ def main(role: str, argv: list[str] | None = None) -> int:
         print(f"python -m services.{role}_worker: error: {exc}", file=sys.stderr)
         return 2
     try:
-        run(serve(cfg))
+        status = run(serve(cfg))
     except FluidPDError as exc:  # bad credentials, missing model file, ...: one clear line
         print(f"worker {cfg.worker_id}: {exc}", file=sys.stderr)
         return 1
-    return 0
+    return status
 
 
 if __name__ == "__main__":

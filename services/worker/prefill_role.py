@@ -50,6 +50,8 @@ from shared.messages import (
 from shared.policy.admission import SheddingConfig, is_expired
 from shared.transfer.sender import KVSender
 
+_MAX_EARLY_CANCELS = 4096  # bounded memory of ids cancelled before their request came
+
 log = structlog.get_logger(__name__)
 
 
@@ -103,6 +105,10 @@ class PrefillRole(PrefillHandoff):
         self.split_planner = split_planner
         self.queue: deque[PrefillJob] = deque()
         self.jobs: dict[str, PrefillJob] = {}
+        # Ids cancelled before their PrefillRequest arrived (cancel and request travel on
+        # different subjects; e.g. a client gone while this worker was stalled): the
+        # request is dropped when it comes. Bounded, oldest first.
+        self._cancelled_early: dict[str, None] = {}
         self.exports: set[asyncio.Task[None]] = set()
         # Computed prompts waiting for their decode reservation (KV held here). Not exports:
         # a P->D switch does not wait for them (after the flip they go on waiting for a
@@ -125,8 +131,11 @@ class PrefillRole(PrefillHandoff):
 
     # ------------------------------------------------------------------ intake
     def enqueue(self, msg: PrefillRequest, seed: int) -> None:
-        """Queue ``msg`` (FIFO). Raises ContextLengthError if it can never be served."""
+        """Queue ``msg`` (FIFO). Raises ContextLengthError if it can never be served.
+        A request whose cancel came first is dropped (not queued)."""
         self.engine.check_prompt(len(msg.prompt_token_ids))
+        if self._cancelled_early.pop(msg.request_id, "absent") is None:
+            return
         now = time.monotonic()
         budget_s = max(0.0, msg.ttft_deadline_s - msg.arrival_time_s)
         waited_s = max(0.0, time.time() - msg.arrival_time_s)
@@ -139,6 +148,9 @@ class PrefillRole(PrefillHandoff):
     def cancel(self, request_id: str) -> bool:
         job = self.jobs.pop(request_id, None)
         if job is None:
+            self._cancelled_early[request_id] = None
+            while len(self._cancelled_early) > _MAX_EARLY_CANCELS:
+                self._cancelled_early.pop(next(iter(self._cancelled_early)))
             return False
         job.cancelled = True
         if job in self.queue:

@@ -25,6 +25,7 @@ from services.worker.config import WorkerConfig
 from services.worker.decode_choice import pick_with_capacity
 from services.worker.decode_role import DecodeRole
 from services.worker.engine_factory import build_engine, fingerprint_of
+from services.worker.failure import fail_worker
 from services.worker.metrics import WorkerMetrics, start_metrics_server
 from services.worker.prefill_job import PrefillJob
 from services.worker.prefill_role import PrefillRole
@@ -74,6 +75,10 @@ class WorkerRuntime(Service):
         self._flush_waiters: list[asyncio.Future[None]] = []
         self._stopped = False
         self.engine: Any = None
+        # Set when the worker must exit (engine failure, services/worker/failure.py); the
+        # process then exits with ``exit_status``.
+        self.fatal = asyncio.Event()
+        self.exit_status = 0
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -143,6 +148,7 @@ class WorkerRuntime(Service):
         self.telemetry.install_policy()
         self.prefill.observe_stage = self.decode.observe_stage = self.metrics.observe_stage
         self.prefill.observe_step = self.telemetry.observe_prefill
+        self.decode.on_engine_failure = self._on_engine_failure
         self.decode.observe_step = self.telemetry.observe_decode
         if cfg.metrics_port:
             runner = await start_metrics_server(
@@ -233,6 +239,10 @@ class WorkerRuntime(Service):
             decode_reserve_tokens=self.cfg.decode_reserve_tokens,
             max_num_seqs=self.cfg.max_num_seqs,
         )
+
+    def _on_engine_failure(self, exc: BaseException) -> None:
+        """The decode role already ended its requests; take the worker out (failure.py)."""
+        self._tasks.append(asyncio.ensure_future(fail_worker(self, type(exc).__name__)))
 
     # ------------------------------------------------------------------ handlers
     async def _on_prefill(self, msg: PrefillRequest) -> Ack:

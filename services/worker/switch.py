@@ -9,7 +9,10 @@ prefill workers (they keep their arrival time and deadline); finish the running 
 flush its KV export; flip. D -> P: stop admitting decode work; live-migrate requests expected
 to run longer than ``migrate_min_remaining_s`` to peer decode workers, let the others finish
 in place, within ``drain_timeout_s``, after which the switch is cancelled and the worker
-returns to Active(decode). The drain ends when the roles signal that their last work left
+returns to Active(decode). Any failure rolls back the same way, at once: a request that
+could not be migrated (it resumes here, or fails clearly if its outcome is unknown:
+migration.py), or an exception in the switch task. Admission is restored and a later
+switch is accepted. The drain ends when the roles signal that their last work left
 (no polling period in the switch time).
 """
 
@@ -23,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from services.worker.migration import migrate_out
+from services.worker.switch_lease import SwitchLease
 from shared.bus.errors import BusError
 from shared.errors import BlockStateError
 from shared.messages import Ack, Role, StateEvent, SwitchCommand, SwitchReply
@@ -35,6 +40,7 @@ log = structlog.get_logger(__name__)
 # The roles signal when work leaves them (``progress`` events), so the drain ends on that
 # signal; this period only re-checks for work that ended without one (e.g. a failed receive).
 _DRAIN_RECHECK_S = 0.05
+_FINISHING_S = 5.0  # bound on waiting for a finished switch's last registry write
 
 
 class RoleSwitcher:
@@ -51,23 +57,44 @@ class RoleSwitcher:
         self.migrate_min_remaining_s = migrate_min_remaining_s
         self.drain_timeout_s = drain_timeout_s
         self.task: asyncio.Task[None] | None = None
+        self.lease = SwitchLease(rt)
+        self._starting = False  # a command is waiting for its lease
         self.switches_total = 0
         self.last_durations_ms: dict[str, float] = {}
 
     async def on_switch(self, cmd: SwitchCommand) -> SwitchReply:
-        """Validate and start a switch; answer at once. Invalid commands change nothing."""
+        """Validate, take the controller's lease (switch_lease.py) and start a switch;
+        answer without waiting for it. Refused commands change nothing."""
         rt = self.rt
-        if rt.state != "active" or (self.task is not None and not self.task.done()):
+        if rt.state == "active" and self.task is not None and not self.task.done():
+            # The last switch is back to "active" and only finishing its state writes:
+            # let them land first, so the registry sees the states in order.
+            await asyncio.wait([self.task], timeout=_FINISHING_S)
+        busy = self._starting or (self.task is not None and not self.task.done())
+        if rt.state != "active" or busy:
             return SwitchReply(ok=False, error=f"a switch is already running (state {rt.state})")
         if cmd.role == rt.role:
             return SwitchReply(ok=False, error=f"worker {rt.cfg.worker_id} is already {rt.role}")
-        if not rt.active_peers(rt.role):
-            return SwitchReply(ok=False, error=f"switch would leave no active {rt.role} worker")
+        from_role = rt.role
+        self._starting = True
+        try:
+            refusal = await self.lease.acquire(from_role, cmd.role)
+        finally:
+            self._starting = False
+        if refusal is None and (rt.state != "active" or rt.role != from_role):
+            refusal = f"worker {rt.cfg.worker_id} changed meanwhile (state {rt.state})"
+            await self.lease.release(rt.role)
+        if refusal is not None:
+            return SwitchReply(ok=False, error=refusal)
         self.task = asyncio.ensure_future(self._run(rt.role, cmd.role))
         return SwitchReply(ok=True, from_role=rt.role, to_role=cmd.role)
 
-    async def _set_state(self, state: str, reason: str) -> None:
+    async def set_state(self, state: str, reason: str) -> None:
+        """Set the worker's state, write it to the registry and publish a StateEvent.
+        A failure to publish is logged, never raised."""
         rt = self.rt
+        if rt.state == "failed":
+            return  # terminal (engine failure): nothing overrides it
         old, rt.state = rt.state, state
         event = StateEvent(
             publisher_id=rt.cfg.worker_id,
@@ -89,9 +116,36 @@ class RoleSwitcher:
         )
 
     async def _run(self, from_role: Role, to_role: Role) -> None:
+        """The switch task. Any failure rolls back to Active(from_role) with admission
+        restored, so a later switch is accepted (nothing is left in drain)."""
+        try:
+            await self._switch(from_role, to_role)
+        except Exception as exc:
+            log.exception(
+                "switch_failed", worker_id=self.rt.cfg.worker_id, error=type(exc).__name__
+            )
+            await self._roll_back(from_role, f"switch failed: {type(exc).__name__}")
+        finally:
+            await self.lease.release(self.rt.role)  # no-op unless an exception skipped it
+
+    async def _roll_back(self, from_role: Role, reason: str) -> None:
+        """Back to Active(``from_role``): undo the flip if it happened, admit again."""
+        rt = self.rt
+        if rt.decode.engine_failed:
+            return  # terminal: services/worker/failure.py takes the worker out
+        if rt.role != from_role:
+            self._reslice(from_role)
+            rt.role = from_role
+            with contextlib.suppress(Exception):
+                await rt.telemetry.follow_role(from_role)
+        rt.prefill.admitting = rt.decode.admitting = True
+        await self.lease.release(rt.role)  # before "active": a next command may come at once
+        await self.set_state("active", reason)
+
+    async def _switch(self, from_role: Role, to_role: Role) -> None:
         rt = self.rt
         t0 = time.perf_counter()
-        await self._set_state("drain", f"switch {from_role}->{to_role}")
+        await self.set_state("drain", f"switch {from_role}->{to_role}")
         if from_role == "prefill":
             rt.prefill.admitting = False
             await self._hand_off_queue()
@@ -103,23 +157,28 @@ class RoleSwitcher:
             )
         else:
             rt.decode.admitting = False
-            if self.migrate:
-                await self._migrate_long_requests()
+            if self.migrate and not await self._migrate_long_requests():
+                # A request that must move could not (refused, rejected ticket, failed
+                # transfer): it resumed here, and waiting for it to end in place would
+                # outlast the drain budget. Give the switch up now.
+                log.warning("switch_cancelled", worker_id=rt.cfg.worker_id, reason="migration")
+                await self._roll_back(from_role, "switch cancelled: a migration failed")
+                return
             drained = await self._wait(lambda: not rt.decode.requests, rt.decode.progress)
         t_drain = time.perf_counter()
         if not drained:
             log.warning("switch_cancelled", worker_id=rt.cfg.worker_id, reason="drain timeout")
-            rt.prefill.admitting = rt.decode.admitting = True
-            await self._set_state("active", "switch cancelled: drain deadline")
+            await self._roll_back(from_role, "switch cancelled: drain deadline")
             return
-        await self._set_state("switch", f"{from_role}->{to_role}")
+        await self.set_state("switch", f"{from_role}->{to_role}")
         t_reslice = time.perf_counter()
         lent_blocks = self._reslice(to_role)
         reslice_s = time.perf_counter() - t_reslice
         rt.role = to_role
         await rt.telemetry.follow_role(to_role)
         rt.prefill.admitting = rt.decode.admitting = True
-        await self._set_state("active", f"now {to_role}")
+        await self.lease.release(to_role)  # before "active": a next command may come at once
+        await self.set_state("active", f"now {to_role}")
         self.switches_total += 1
         self.last_durations_ms = {
             "drain_ms": (t_drain - t0) * 1e3,
@@ -160,12 +219,14 @@ class RoleSwitcher:
                 async with asyncio.timeout(min(remaining_s, _DRAIN_RECHECK_S)):
                     await progress.wait()
 
-    async def _migrate_long_requests(self) -> None:
+    async def _migrate_long_requests(self) -> bool:
+        """Move every long-running request to a peer. False if one of them stayed here
+        (each request is settled by ``migrate_out`` either way: never left frozen)."""
         rt = self.rt
         dec = rt.decode
         peers = [r.worker_id for r in rt.active_peers("decode")]
         if not peers:
-            return  # fall back to waiting, bounded by the drain deadline
+            return True  # fall back to waiting, bounded by the drain deadline
         step_s = max(dec.last_step_s, 1e-3)
         moves = []
         for req in list(dec.runnable):
@@ -174,12 +235,14 @@ class RoleSwitcher:
                 moves.append(req.request_id)
         # All leave the batch at the same step boundary and move concurrently, so the drain
         # is about one step plus one transfer, not their sum.
-        await asyncio.gather(
+        results = await asyncio.gather(
             *(
                 migrate_out(rt, rid, peers[i % len(peers) :] + peers[: i % len(peers)])
                 for i, rid in enumerate(moves)
-            )
+            ),
+            return_exceptions=True,
         )
+        return all(r is True for r in results)
 
     async def _hand_off_queue(self) -> None:
         """Give queued prefill requests to other Active prefill workers, keeping deadlines."""
@@ -200,69 +263,3 @@ class RoleSwitcher:
                 rt.prefill.queue.append(job)
                 rt.prefill.jobs[job.request_id] = job
                 rt.prefill.wakeup.set()
-
-
-async def migrate_out(rt: WorkerRuntime, request_id: str, peers: list[str]) -> bool:
-    """Live-migrate a running decode request to one of ``peers`` (first that accepts).
-
-    The request leaves the batch at a step boundary, its KV moves through the same transfer
-    layer as a prefill handoff, and the peer continues from the same token index with the
-    same seed, so the client's stream has no gap and no repeat. Returns False (and the
-    request resumes here) if no peer takes it.
-    """
-    from shared.messages import AdmitReply, MigrateRequest
-    from shared.messages import SamplingParams as WireParams
-    from shared.transfer.envelope import TransferTicket
-
-    dec = rt.decode
-    req = await dec.freeze(request_id)
-    if req is None:
-        return True  # finished or cancelled meanwhile: nothing left to move
-    seq = req.seq
-    p = seq.params
-    msg = MigrateRequest(
-        request_id=request_id,
-        router_id="migrated",
-        tokens_subject=req.tokens_subject,
-        source_worker_id=rt.cfg.worker_id,
-        prompt_len=len(seq.prompt_token_ids),
-        num_tokens=seq.num_cached_tokens,
-        generated_token_ids=tuple(seq.output_token_ids),
-        sampling=WireParams(
-            max_tokens=p.max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=max(0, p.top_k),
-            seed=seq.seed,
-            stop_token_ids=tuple(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-        ),
-        rng_offset=len(seq.output_token_ids),
-    )
-    for peer in peers:
-        try:
-            reply = await rt.bus.request(rt.subjects.worker_migrate(peer), msg, AdmitReply, 2.0)
-        except Exception:
-            continue
-        if not reply.ok:
-            continue
-        ticket = TransferTicket.decode(reply.ticket, rt.secret)
-        table = rt.engine.block_manager.block_table(request_id)[: ticket.num_blocks]
-        try:
-            await rt.sender.send(
-                ticket,
-                rt.engine.arena,
-                table,
-                timeout_s=rt.cfg.transfer_timeout_s,
-                meta={"migrated_cached_tokens": seq.num_cached_tokens},
-            )
-        except Exception as exc:
-            log.warning("migration_failed", request_id=request_id, peer=peer, error=str(exc))
-            continue
-        dec.migrated(req, peer)
-        log.info(
-            "request_migrated", request_id=request_id, peer=peer, kv_tokens=seq.num_cached_tokens
-        )
-        return True
-    dec.unfreeze(req)
-    return False

@@ -10,6 +10,8 @@ from shared.messages.control import (
     PolicyReply,
     StatusReply,
     StatusRequest,
+    SwitchLeaseReply,
+    SwitchLeaseRequest,
     WorkerRecord,
     WorkerRow,
 )
@@ -65,6 +67,8 @@ ALL_MESSAGE_TYPES: tuple[type[Message], ...] = (
     StatusReply,
     PolicyCommand,
     PolicyReply,
+    SwitchLeaseRequest,
+    SwitchLeaseReply,
     WorkerRecord,
 )
 
@@ -99,6 +103,8 @@ __all__ = [
     "StreamSequencer",
     "Subjects",
     "SwitchCommand",
+    "SwitchLeaseReply",
+    "SwitchLeaseRequest",
     "SwitchReply",
     "TokenBatch",
     "TokenItem",

@@ -76,6 +76,33 @@ class PolicyReply(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SwitchLeaseRequest(Message):
+    """Worker → controller, before it accepts a SwitchCommand: may ``worker_id`` leave
+    ``from_role`` for ``to_role``? ``release=True`` ends the worker's lease (its switch is
+    over; ``from_role`` is then the role it is in now). Answer: SwitchLeaseReply."""
+
+    TYPE_TAG = "switch_lease_request"
+
+    worker_id: str = field(metadata=_ID)
+    from_role: Role
+    to_role: Role
+    release: bool = False
+
+    def check(self) -> None:
+        check_nonempty(self.worker_id, "worker_id")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SwitchLeaseReply(Message):
+    """Controller → worker: the lease is granted (``ok``) or refused with ``error``."""
+
+    TYPE_TAG = "switch_lease_reply"
+
+    ok: bool
+    error: str | None = field(default=None, metadata={"max_len": MAX_ERROR_CHARS})
+
+
+@dataclass(frozen=True, kw_only=True)
 class WorkerRecord(Message):
     """A worker's registry entry (JetStream KV, key = worker_id), rewritten on every
     heartbeat and on every role/state change.

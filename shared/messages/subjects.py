@@ -126,6 +126,9 @@ class Subjects:
     def controller_policy(self) -> str:
         return f"{self.prefix}.controller.policy"
 
+    def controller_switch_lease(self) -> str:
+        return f"{self.prefix}.controller.switch_lease"
+
     def controller_decisions(self) -> str:
         return f"{self.prefix}.controller.decisions"
 
@@ -160,6 +163,6 @@ class Subjects:
                 return "telemetry.>"
             case ["events", _]:
                 return "events.*"
-            case ["controller", ("status" | "policy" | "decisions") as what]:
+            case ["controller", ("status" | "policy" | "decisions" | "switch_lease") as what]:
                 return f"controller.{what}"
         return "other"

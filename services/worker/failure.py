@@ -1,0 +1,66 @@
+"""A worker whose engine failed: mark it ``failed``, make sure nothing it held leaks, exit.
+
+A failed step leaves the engine in an unknown state (a CUDA error is sticky; an OOM can
+leave allocator state behind), so the worker does not try to serve on: the decode role has
+already ended every request with an ``engine_failed`` error item and freed their blocks.
+Here the worker
+
+1. stops admitting work of either role and writes state ``failed`` to the registry and the
+   state events (routers and prefill workers pair only with ``active`` workers, so it leaves
+   the serving set at once; ``fluidpd ctl status`` shows ``failed``);
+2. waits (bounded by the transfer timeout) until cancelled KV receives have released their
+   reservations, then checks the block manager's invariants and logs the pool;
+3. stays ``failed`` for three heartbeat periods (telemetry keeps reporting its freed pool
+   and state meanwhile), then asks the process to exit with ``EXIT_ENGINE_FAILED`` so a
+   supervisor (compose ``restart: unless-stopped``, systemd, Kubernetes) starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+if TYPE_CHECKING:
+    from services.worker.runtime import WorkerRuntime
+
+log = structlog.get_logger(__name__)
+
+EXIT_ENGINE_FAILED = 3  # the worker's exit status after an engine failure
+_POLL_S = 0.02  # re-check period while cancelled receives release their blocks
+
+
+async def fail_worker(rt: WorkerRuntime, error: str) -> None:
+    """Take ``rt`` out of service after an engine failure and set ``rt.fatal``. Never
+    raises (a failure to publish is logged; the exit still happens)."""
+    try:
+        rt.prefill.admitting = rt.decode.admitting = False
+        await rt.switcher.set_state("failed", f"engine failed: {error}")
+        bm = rt.engine.block_manager
+        deadline = time.monotonic() + rt.cfg.transfer_timeout_s + 1.0
+        # A cancelled receive frees its reservation only once UCX let go of its buffers.
+        while bm.num_reserved_blocks and time.monotonic() < deadline:
+            await asyncio.sleep(_POLL_S)
+        integrity = "ok"
+        try:
+            bm.check_integrity()
+        except Exception as exc:  # reported, not raised: the process exits either way
+            integrity = f"{type(exc).__name__}: {exc}"
+        log.error(
+            "worker_failed",
+            worker_id=rt.cfg.worker_id,
+            error=error,
+            free_blocks=bm.num_free_blocks,
+            usable_blocks=bm.num_usable_blocks,
+            reserved_blocks=bm.num_reserved_blocks,
+            integrity=integrity,
+            exit_status=EXIT_ENGINE_FAILED,
+        )
+        await asyncio.sleep(3 * rt.cfg.heartbeat_s)  # a period: others see "failed"
+    except Exception:
+        log.exception("worker_fail_path_failed", worker_id=rt.cfg.worker_id)
+    finally:
+        rt.exit_status = EXIT_ENGINE_FAILED
+        rt.fatal.set()

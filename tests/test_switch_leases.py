@@ -1,0 +1,64 @@
+"""The controller's switch-lease rules (services/controller/leases.py), pure."""
+
+from __future__ import annotations
+
+from services.controller.leases import SwitchLeases
+from shared.messages import WorkerRecord
+
+
+def _rec(worker_id: str, role: str, state: str = "active") -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id,
+        role=role,  # type: ignore[arg-type]
+        state=state,
+        pid=1,
+        host="h",
+        model="tiny",
+        fingerprint="f",
+        kv_total_blocks=8,
+        kv_block_size=16,
+        max_model_len=64,
+        started_at_s=0.0,
+        heartbeat_at_s=0.0,
+        heartbeat_period_s=1.0,
+    )
+
+
+def test_one_switch_per_role_and_never_the_last_worker() -> None:
+    book = SwitchLeases(ttl_s=10)
+    view = [_rec("p0", "prefill"), _rec("p1", "prefill"), _rec("d0", "decode")]
+    assert book.acquire("p0", "prefill", "decode", view, 0.0) is None
+    refusal = book.acquire("p1", "prefill", "decode", view, 0.0)
+    assert refusal is not None and "in flight" in refusal
+    assert book.acquire("p0", "prefill", "decode", view, 0.0) is not None  # already switching
+    assert book.acquire("d0", "decode", "prefill", view, 0.0) == (
+        "switch would leave no active decode worker"
+    )
+    assert book.in_flight() == {"prefill": "p0"}
+
+
+def test_a_released_switch_counts_before_the_registry_shows_it() -> None:
+    book = SwitchLeases(ttl_s=10)
+    view = [_rec("p0", "prefill"), _rec("p1", "prefill"), _rec("d0", "decode")]
+    assert book.acquire("p0", "prefill", "decode", view, 0.0) is None
+    book.release("p0", "decode", 1.0)
+    # The registry view is stale (p0 still "prefill"): p1 is the last prefill worker.
+    refusal = book.acquire("p1", "prefill", "decode", view, 1.1)
+    assert refusal == "switch would leave no active prefill worker"
+    # Once the registry shows p0 as decode, the override is dropped; still refused.
+    view = [_rec("p0", "decode"), _rec("p1", "prefill"), _rec("d0", "decode")]
+    assert book.acquire("p1", "prefill", "decode", view, 1.2) is not None
+    assert book.acquire("p0", "decode", "prefill", view, 1.3) is None
+
+
+def test_leases_expire_and_are_dropped_with_their_worker() -> None:
+    book = SwitchLeases(ttl_s=10)
+    view = [_rec("p0", "prefill"), _rec("p1", "prefill"), _rec("p2", "prefill")]
+    assert book.acquire("p0", "prefill", "decode", view, 0.0) is None
+    assert book.acquire("p1", "prefill", "decode", view, 5.0) is not None
+    assert book.acquire("p1", "prefill", "decode", view, 10.5) is None  # p0's expired
+    book.forget("p1")
+    assert book.in_flight() == {}
+    # A draining worker is not Active: it does not count as staying.
+    view = [_rec("p0", "prefill", "drain"), _rec("p1", "prefill")]
+    assert book.acquire("p1", "prefill", "decode", view, 11.0) is not None
