@@ -212,6 +212,21 @@ def test_round_trip_random_block_tables(
     dst.clean_state(free_dst)
 
 
+@pytest.mark.parametrize("num_tokens", [90, 2000])
+def test_round_trip_with_the_device_checksum(peers: list[PeerProc], num_tokens: int) -> None:
+    """A sender naming fold64 (what a CUDA arena sends) is verified by a CPU receiver with
+    the same function: the envelope's algorithm, not the receiver's device, decides."""
+    src, dst = peers[0], peers[1]
+    free_src, free_dst = src.call("state")["free_blocks"], dst.call("state")["free_blocks"]
+    rid = f"fold-{num_tokens}"
+    filled, sent, recv = transfer(src, dst, rid, num_tokens, checksum_algorithm="fold64")
+    assert sent["ok"] and recv["ok"], (sent, recv)
+    assert recv["digests"] == filled["digests"]
+    src.clean_state(free_src)
+    dst.call("free", seq=rid)
+    dst.clean_state(free_dst)
+
+
 def test_wrong_fingerprint_is_rejected(peers: list[PeerProc]) -> None:
     src, dst = peers[0], peers[1]
     free_src, free_dst = src.call("state")["free_blocks"], dst.call("state")["free_blocks"]
@@ -223,18 +238,27 @@ def test_wrong_fingerprint_is_rejected(peers: list[PeerProc]) -> None:
     dst.clean_state(free_dst)
 
 
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "fold64"])
 @pytest.mark.parametrize(
     ("num_tokens", "bad_block"),
     # 90 tokens: hashed inline; 2000 tokens (2 MiB, many segments into w1's scattered
-    # blocks): hashed by the receiver's hash thread as segments land.
+    # blocks): hashed by the receiver's hash thread as segments land. fold64 is the CUDA
+    # arenas' checksum, run here through the same functions on CPU tensors.
     [(90, 2), (2000, 100)],
 )
 def test_one_flipped_byte_is_rejected(
-    peers: list[PeerProc], num_tokens: int, bad_block: int
+    peers: list[PeerProc], num_tokens: int, bad_block: int, algorithm: str
 ) -> None:
     src, dst = peers[0], peers[1]
     free_src, free_dst = src.call("state")["free_blocks"], dst.call("state")["free_blocks"]
-    _, sent, recv = transfer(src, dst, f"flip{num_tokens}", num_tokens, corrupt_block=bad_block)
+    _, sent, recv = transfer(
+        src,
+        dst,
+        f"flip{num_tokens}-{algorithm}",
+        num_tokens,
+        corrupt_block=bad_block,
+        checksum_algorithm=algorithm,
+    )
     assert recv["error"] == "kv_transfer_rejected"
     assert recv["reason"] == f"checksum mismatch at logical block {bad_block}"
     assert sent["error"] == "kv_transfer_rejected"

@@ -34,6 +34,7 @@ from shared.transfer import (
     TransferTicket,
     block_checksums,
 )
+from shared.transfer.checksum import XXH3
 
 BLOCK_SIZE = 16
 
@@ -184,21 +185,27 @@ class Peer:
         corrupt_block: int | None = None,
         stall_after: int | None = None,
         free_on_release: bool = True,
+        checksum_algorithm: str | None = None,
     ) -> dict[str, Any]:
         tk = TransferTicket.decode(bytes.fromhex(ticket), self.secret)
         sender = self.sender
-        if secret is not None or weights is not None:
+        if secret is not None or weights is not None or checksum_algorithm is not None:
             sender = KVSender(
                 self.node,
                 worker_id=self.worker_id,
                 fingerprint=fingerprint(self.arena, weights or "w0"),
                 secret=bytes.fromhex(secret) if secret else self.secret,
+                checksum_algorithm=checksum_algorithm,
             )
         src = self.bm.block_table(seq)[: tk.num_blocks]
         sums = None
         if corrupt_block is not None:  # right checksums, wrong bytes: a flipped bit in flight
             sums = [
-                block_checksums(self.arena.block_bytes(b).numpy(), self.arena.block_nbytes)[0]
+                block_checksums(
+                    self.arena.block_bytes(b),
+                    self.arena.block_nbytes,
+                    checksum_algorithm or XXH3,
+                )[0]
                 for b in src
             ]
             self.arena.block_bytes(src[corrupt_block])[7] ^= 0x10
