@@ -35,10 +35,10 @@ BLOCK_SIZE = 16
 class PeerProc:
     """Client side of one peer process: JSON-line calls and events."""
 
-    def __init__(self, worker_id: str, num_blocks: int = 512) -> None:
+    def __init__(self, worker_id: str, num_blocks: int = 512, device: str = "cpu") -> None:
         self.worker_id = worker_id
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), worker_id, SECRET, str(num_blocks)],
+            [sys.executable, str(PEER), worker_id, SECRET, str(num_blocks), device],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -106,8 +106,8 @@ class PeerProc:
                 self.proc.wait()
 
 
-def spawn(*worker_ids: str) -> list[PeerProc]:
-    peers = [PeerProc(w) for w in worker_ids]
+def spawn(*worker_ids: str, device: str = "cpu") -> list[PeerProc]:
+    peers = [PeerProc(w, device=device) for w in worker_ids]
     for p in peers:
         p.wait_ready()
     return peers
@@ -371,3 +371,30 @@ def test_100_concurrent_transfers_between_3_workers(peers: list[PeerProc]) -> No
         dst.call("free", seq=rid)
     for p, free in zip(peers, free0, strict=True):
         p.clean_state(free)
+
+
+# ----------------------------------------------------------------------- CUDA memory
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_handoff_between_processes_from_cuda_memory() -> None:
+    """Both arenas in GPU memory: UCX moves device memory itself (cuda_ipc/cuda_copy), the
+    checksums are fold64 on the device, a flipped byte is still caught."""
+    src, dst = spawn("g0", "g1", device="cuda")
+    try:
+        dst.call("scatter")
+        free_src, free_dst = src.call("state")["free_blocks"], dst.call("state")["free_blocks"]
+        filled, sent, recv = transfer(src, dst, "cuda-rt", 2000, meta={"first_token": 5})
+        assert sent["ok"] and recv["ok"], (sent, recv)
+        assert recv["digests"] == filled["digests"]
+        src.clean_state(free_src)
+        dst.call("free", seq="cuda-rt")
+        dst.clean_state(free_dst)
+        _, sent, recv = transfer(
+            src, dst, "cuda-flip", 2000, corrupt_block=50, checksum_algorithm="fold64"
+        )
+        assert recv["reason"] == "checksum mismatch at logical block 50", recv
+        src.clean_state(free_src)
+        dst.clean_state(free_dst)
+    finally:
+        for p in (src, dst):
+            p.stop()

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -52,10 +53,10 @@ def fingerprint(arena: KVArena, weights: str = "w0") -> KVFingerprint:
 
 
 class Peer:
-    def __init__(self, worker_id: str, secret: bytes, num_blocks: int) -> None:
+    def __init__(self, worker_id: str, secret: bytes, num_blocks: int, device: str = "cpu") -> None:
         self.worker_id = worker_id
         self.secret = secret
-        self.arena = KVArena(num_blocks, 2, 2, 32, BLOCK_SIZE)
+        self.arena = KVArena(num_blocks, 2, 2, 32, BLOCK_SIZE, device=device)
         self.bm = BlockManager(num_blocks, BLOCK_SIZE, zero_fn=self.arena.zero_blocks)
         self.node = TransferNode()
         self.tickets: dict[str, TransferTicket] = {}
@@ -85,15 +86,18 @@ class Peer:
 
     def digests(self, block_ids: Any) -> list[str]:
         return [
-            hashlib.blake2b(self.arena.block_bytes(b).numpy().tobytes(), digest_size=8).hexdigest()
+            hashlib.blake2b(
+                self.arena.block_bytes(b).cpu().numpy().tobytes(), digest_size=8
+            ).hexdigest()
             for b in block_ids
         ]
 
     def fill(self, seq: str, block_ids: Any, seed: int) -> None:
         gen = random.Random(seed)
         for b in block_ids:
-            view = self.arena.block_bytes(b).numpy()
-            view[:] = np.frombuffer(gen.randbytes(view.nbytes), dtype=np.uint8)
+            view = self.arena.block_bytes(b)
+            data = np.frombuffer(gen.randbytes(view.numel()), dtype=np.uint8).copy()
+            view.copy_(torch.from_numpy(data))  # host -> wherever the arena lives
 
     # ------------------------------------------------------------------ commands
     async def cmd_fill(self, seq: str, num_tokens: int, seed: int) -> dict[str, Any]:
@@ -310,7 +314,8 @@ def main() -> None:
     sys.stdout = os.fdopen(json_fd, "w", buffering=1)
     logging.basicConfig(level=os.environ.get("PEER_LOG", "WARNING"), stream=sys.stderr)
     num_blocks = int(sys.argv[3]) if len(sys.argv) > 3 else 256
-    asyncio.run(Peer(sys.argv[1], bytes.fromhex(sys.argv[2]), num_blocks).serve())
+    device = sys.argv[4] if len(sys.argv) > 4 else "cpu"  # cuda: the arena in GPU memory
+    asyncio.run(Peer(sys.argv[1], bytes.fromhex(sys.argv[2]), num_blocks, device).serve())
 
 
 if __name__ == "__main__":
