@@ -47,7 +47,9 @@ def plan_key(batch: ForwardBatch, q: torch.Tensor, kv_layer: torch.Tensor) -> Pl
 
 def plan_inputs(batch: ForwardBatch, block_size: int) -> tuple[list[int], ...]:
     """``(qo_indptr, kv_indptr, kv_indices, kv_last_page_len)`` from the batch's layout."""
-    qo_indptr, kv_indptr, indices, last_len = [0], [0], [], []
+    qo_indptr, kv_indptr = [0], [0]
+    indices: list[int] = []
+    last_len: list[int] = []
     for q_len, context_len, table in batch.layout_key:
         pages = -(-context_len // block_size)
         indices.extend(table[:pages])
