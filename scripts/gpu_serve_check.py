@@ -39,7 +39,7 @@ def _generate(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "services.cli.main", "generate", "--model", args.model]
     cmd += ["--prompt", args.prompt, "--max-tokens", str(args.max_tokens), "--json"]
     cmd += ["--ignore-eos", "--device", args.device]
-    out = subprocess.run(cmd, check=True, capture_output=True, cwd=REPO, env=env, timeout=300)
+    out = subprocess.run(cmd, check=True, capture_output=True, cwd=REPO, env=env, timeout=120)
     result: dict[str, Any] = json.loads(out.stdout.decode().strip().splitlines()[-1])
     return result
 
@@ -58,7 +58,7 @@ def _complete(url: str, args: argparse.Namespace) -> dict[str, Any]:
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=120) as resp:
+    with urllib.request.urlopen(req, timeout=60) as resp:
         result: dict[str, Any] = json.loads(resp.read())
         return result
 
@@ -72,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-timeout-s", type=float, default=240.0)
     p.add_argument("--log-dir", default="", help="fluidpd up writes <name>.log files here")
     args = p.parse_args(argv)
+    # A time box (gpu_check.sh's `timeout`) ends us with SIGTERM: exit through `finally`,
+    # which stops the cluster. It runs in a session of its own, so nothing else would, and
+    # on the lent machine a process in another session outlives the command.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "FLUIDPD_DEVICE": args.device}
     env.pop("FLUIDPD_NATS_URL", None)
     state = tempfile.mkdtemp(prefix="fluidpd-gpu-up-")
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGTERM)  # up stops its children cleanly on SIGTERM
             try:
-                up.wait(30)
+                up.wait(8)  # within the 10 s gpu_check.sh gives after its SIGTERM
             except subprocess.TimeoutExpired:
                 os.killpg(up.pid, signal.SIGKILL)
                 up.wait()
