@@ -71,9 +71,11 @@ def _as_tensor(run: Any) -> torch.Tensor:
 
 
 def _as_host_bytes(run: Any) -> memoryview:
+    if isinstance(run, np.ndarray):
+        return run.data.cast("B")
     if isinstance(run, torch.Tensor):
         # A CUDA run under xxh3 (a CPU peer asked for it) is the one staging copy left.
-        run = run.numpy() if run.device.type == "cpu" else run.cpu().numpy()
+        return (run.numpy() if run.device.type == "cpu" else run.cpu().numpy()).data.cast("B")
     return memoryview(run).cast("B")
 
 
@@ -158,11 +160,12 @@ class BlockHasher:
         self.block_nbytes = block_nbytes
         self.device = torch.device(device)
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._fn = xxh3_block_checksums if algorithm == XXH3 else fold64_block_checksums
 
     def __call__(self, run: Any) -> list[int]:
         """Checksums of every block of ``run`` (logical order). Raises ValueError."""
         if self._stream is None or not isinstance(run, torch.Tensor) or not run.is_cuda:
-            return block_checksums(run, self.block_nbytes, self.algorithm)
+            return self._fn(run, self.block_nbytes)
         self._stream.wait_stream(torch.cuda.current_stream(run.device))
         with torch.cuda.stream(self._stream):
-            return block_checksums(run, self.block_nbytes, self.algorithm)
+            return self._fn(run, self.block_nbytes)
