@@ -114,3 +114,14 @@ def test_generate_device_flag_is_checked(device: str, needle: str) -> None:
         cwd=REPO,
     )
     assert res.returncode == 2 and needle in res.stderr and "Traceback" not in res.stderr
+
+
+def test_bench_kv_device_flag_is_checked() -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "services.cli.main", "bench", "kv", "--device", "tpu"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert res.returncode == 2 and "--device must be cpu or cuda" in res.stderr
