@@ -158,6 +158,15 @@ def test_fingerprint_digest_covers_every_field() -> None:
         KVFingerprint("a", "w", "bf16", 16, "x", 2, 2)
 
 
+def test_node_config_names_a_cuda_device_or_none() -> None:
+    from shared.transfer.ucx_node import TransferNodeConfig, bind_cuda_device
+
+    assert TransferNodeConfig(cuda_device="cuda:1").cuda_device == "cuda:1"
+    with pytest.raises(ValueError, match="cuda_device"):
+        TransferNodeConfig(cuda_device="cpu")
+    bind_cuda_device("cpu")  # CPU memory: nothing to bind, and no CUDA call is made
+
+
 def test_ticket_is_sealed() -> None:
     ticket = TransferTicket(1 << 20, "r", "w1", b"addr", "h", (3, 4), (1, 1), 0, 20, 16, 64)
     data = ticket.encode(b"k1")

@@ -69,10 +69,11 @@ SECRET = b"bench-secret-not-for-production"
 
 
 # ------------------------------------------------------------------------ sender
-async def _sender_main() -> None:
+async def _sender_main(device: str) -> None:
     from shared.transfer import KVSender, TransferNode, TransferTicket
+    from shared.transfer.ucx_node import TransferNodeConfig
 
-    node = TransferNode()
+    node = TransferNode(TransferNodeConfig(cuda_device=None if device == "cpu" else device))
     await node.start()
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 26)  # tickets of 64k blocks are long lines
@@ -155,11 +156,11 @@ class _DeviceCopy:
 class _Pair:
     """This process receives; a child process sends. Same UCX_TLS for both."""
 
-    def __init__(self, node: Any) -> None:
+    def __init__(self, node: Any, device: str) -> None:
         rfd, wfd = os.pipe()
         env = dict(os.environ, KV_BENCH_FD=str(wfd))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.bench.kv", "--role", "sender"],
+            [sys.executable, "-m", "services.bench.kv", "--role", "sender", "--device", device],
             stdin=subprocess.PIPE,
             text=True,
             env=env,
@@ -278,10 +279,13 @@ def _row(
 async def _pair_main(args: argparse.Namespace) -> dict[str, Any]:
     from shared.engine.block_manager import BlockManager
     from shared.transfer import KVReceiver, TransferNode
+    from shared.transfer.ucx_node import TransferNodeConfig
 
-    node = TransferNode()
+    node = TransferNode(
+        TransferNodeConfig(cuda_device=None if args.device == "cpu" else args.device)
+    )
     await node.start()
-    pair = _Pair(node)
+    pair = _Pair(node, args.device)
     rows: list[dict[str, Any]] = []
     overhead: dict[str, Any] = {}
     for block_kib in args.block_kib:
@@ -374,7 +378,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.role == "sender":
-        asyncio.run(_sender_main())
+        asyncio.run(_sender_main(args.device))
         return 0
     if args.role == "pair":
         result = asyncio.run(_pair_main(args))

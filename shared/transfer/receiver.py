@@ -47,7 +47,7 @@ from shared.transfer.errors import (
     TransportError,
 )
 from shared.transfer.landed_hasher import LandedHasher
-from shared.transfer.ucx_node import TransferNode
+from shared.transfer.ucx_node import TransferNode, bind_cuda_device
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,7 @@ class KVReceiver:
         self._hasher = LandedHasher()  # one thread, started at the first large receive
         self._drains: set[asyncio.Task[None]] = set()
         self._hashers: dict[str, BlockHasher] = {}  # by algorithm, on the arena's device
+        bind_cuda_device(arena.tensor.device)  # this (the event loop's) thread posts receives
 
     def prepare(
         self, request_id: str, *, num_tokens: int, num_blocks: int | None = None

@@ -39,7 +39,7 @@ from shared.transfer.envelope import (
     encode_trailer,
 )
 from shared.transfer.errors import TransferError, TransferRejected, TransferTimeout
-from shared.transfer.ucx_node import TransferNode
+from shared.transfer.ucx_node import TransferNode, bind_cuda_device
 
 log = logging.getLogger(__name__)
 
@@ -270,6 +270,7 @@ class KVSender:
         device = arena.tensor.device
         key = (str(device), arena.block_nbytes)
         if key not in self._hashers:
+            bind_cuda_device(device)  # once per arena: this (the loop's) thread posts sends
             algorithm = self.checksum_algorithm or algorithm_for(device)
             self._hashers[key] = BlockHasher(algorithm, arena.block_nbytes, device)
         return self._hashers[key]

@@ -36,6 +36,7 @@ from shared.transfer import (
     block_checksums,
 )
 from shared.transfer.checksum import XXH3
+from shared.transfer.ucx_node import TransferNodeConfig
 
 BLOCK_SIZE = 16
 
@@ -58,7 +59,9 @@ class Peer:
         self.secret = secret
         self.arena = KVArena(num_blocks, 2, 2, 32, BLOCK_SIZE, device=device)
         self.bm = BlockManager(num_blocks, BLOCK_SIZE, zero_fn=self.arena.zero_blocks)
-        self.node = TransferNode()
+        self.node = TransferNode(
+            TransferNodeConfig(cuda_device=None if device == "cpu" else device)
+        )
         self.tickets: dict[str, TransferTicket] = {}
         self.resume: dict[str, asyncio.Event] = {}
         self.tasks: set[asyncio.Task[None]] = set()
