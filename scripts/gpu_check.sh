@@ -30,7 +30,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 STEPS=(setup env attention handoff serve bench-engine bench-kv)
-declare -A BOX=([setup]=60 [env]=30 [attention]=150 [handoff]=90 [serve]=120
+declare -A BOX=([setup]=90 [env]=30 [attention]=140 [handoff]=80 [serve]=110
   [bench-engine]=60 [bench-kv]=60)
 TOTAL_S=570 # the device's per-command limit is 600 s
 
@@ -180,7 +180,7 @@ step_serve() {
   local logs
   logs=$(mktemp -d)
   "$PY" scripts/gpu_serve_check.py --device cuda --model tiny-gpu --log-dir "$logs" \
-    --ready-timeout-s 100
+    --ready-timeout-s 75
   local rc=$?
   for f in "$logs"/*.log; do [ -f "$f" ] && { echo "--- $(basename "$f")"; tail -n 15 "$f"; }; done
   return $rc
