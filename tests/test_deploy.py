@@ -206,7 +206,10 @@ def test_worker_node_override_joins_remote_nats_on_host_network() -> None:
         assert "hostname" not in svc and "depends_on" not in svc
         env = svc["environment"]
         assert env["FLUIDPD_NATS_URL"] == url
-        assert {"rc", "tcp"} <= set(env["UCX_TLS"].split(","))
+        # The image's UCX has no InfiniBand/RoCE module: TCP across nodes, and no "rc"
+        # pretending otherwise (deploy/ucx_check.py reports it at build).
+        tls = env["UCX_TLS"].split(",")
+        assert tls[0] == "tcp" and "rc" not in tls and {"cuda_ipc", "cuda_copy"} <= set(tls)
         assert env["UCX_NET_DEVICES"]
         assert env["FLUIDPD_CLUSTER_SECRET"] == SECRETS["FLUIDPD_CLUSTER_SECRET"]  # kept
         assert svc["deploy"] == base["services"][name]["deploy"]  # still pinned
@@ -738,3 +741,34 @@ def test_compose_healthchecks_pass_on_the_running_cluster(cpu_cluster: LiveClust
         [sys.executable, script, "worker"], env=dead, capture_output=True, timeout=30
     )
     assert done.returncode == 1 and b"unhealthy" in done.stderr
+
+
+# --- UCX transports in the worker image --------------------------------------------------------
+def test_worker_image_checks_its_ucx_transports_at_build() -> None:
+    text = (DEPLOY / "Dockerfile.worker").read_text()
+    run = re.search(r"^RUN python /opt/fluidpd/ucx_check\.py (.+)$", text, re.M)
+    assert run, "the image must run deploy/ucx_check.py at build"
+    assert "--transports tcp" in run.group(1) and "--modules cuda" in run.group(1)
+    assert "COPY deploy/ucx_check.py /opt/fluidpd/ucx_check.py" in text
+    assert "KV moves over TCP" in text  # says plainly what cross-node KV runs on
+
+
+def _ucx_check(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(DEPLOY / "ucx_check.py"), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+
+
+def test_ucx_check_reports_transports_and_no_rdma_module() -> None:
+    """The same check, against the libucx wheel installed here (the image's UCX)."""
+    res = _ucx_check("--transports", "tcp,self", "--modules", "cuda,cma")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout.strip().splitlines()[-1])
+    assert {"tcp", "self"} <= set(report["transports"]) and "cuda" in report["modules"]
+    assert report["rdma"] is False  # why the docs and compose files say TCP across nodes
+    missing = _ucx_check("--modules", "ib")
+    assert missing.returncode == 1 and "missing module ib" in missing.stderr

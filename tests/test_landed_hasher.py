@@ -13,10 +13,12 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from shared.transfer.checksum import XXH3, BlockHasher
 from shared.transfer.envelope import block_checksums
 from shared.transfer.landed_hasher import LandedHasher
 
 BLOCK = 4096
+XXH3_BLOCK = BlockHasher(XXH3, BLOCK)
 
 
 @dataclass
@@ -37,7 +39,7 @@ async def test_segments_hashed_in_order_as_they_land() -> None:
     data = runs(1, 3, 2)
     ops: list[FakeOp] = []
     views: list[np.ndarray] = []
-    fut = hasher.follow(ops, views, 3, BLOCK, threading.Event())
+    fut = hasher.follow(ops, views, 3, XXH3_BLOCK, threading.Event())
     for run in data:  # posted one by one, landing out of order
         views.append(run)
         ops.append(FakeOp())
@@ -55,10 +57,10 @@ async def test_a_stalled_receive_holds_up_no_other() -> None:
     hasher = LandedHasher()
     stalled_stop = threading.Event()
     stalled_ops = [FakeOp(completed=True), FakeOp()]  # its second segment never lands
-    stalled = hasher.follow(stalled_ops, runs(2, 2, 1), 2, BLOCK, stalled_stop)
+    stalled = hasher.follow(stalled_ops, runs(2, 2, 1), 2, XXH3_BLOCK, stalled_stop)
     data = runs(3, 4, 3)
     ops = [FakeOp(completed=True) for _ in data]
-    fine = hasher.follow(ops, data, 4, BLOCK, threading.Event())
+    fine = hasher.follow(ops, data, 4, XXH3_BLOCK, threading.Event())
     sums = await asyncio.wait_for(fine, 5)
     assert sums == [c for run in data for c in block_checksums(run, BLOCK)]
     assert not stalled.done()
@@ -69,8 +71,8 @@ async def test_a_stalled_receive_holds_up_no_other() -> None:
 
 async def test_close_ends_followed_receives_and_refuses_new_ones() -> None:
     hasher = LandedHasher()
-    pending = hasher.follow([FakeOp()], runs(4, 1, 1), 1, BLOCK, threading.Event())
+    pending = hasher.follow([FakeOp()], runs(4, 1, 1), 1, XXH3_BLOCK, threading.Event())
     hasher.close()
     assert await asyncio.wait_for(pending, 5) == []
     with pytest.raises(RuntimeError):
-        hasher.follow([], [], 1, BLOCK, threading.Event())
+        hasher.follow([], [], 1, XXH3_BLOCK, threading.Event())

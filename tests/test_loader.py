@@ -51,7 +51,19 @@ def _copy_dir(src: Path, dst: Path) -> Path:
 
 
 def test_model_names():
-    assert model_names() == ("tiny", "smollm2-135m")
+    assert model_names() == ("tiny", "tiny-gpu", "smollm2-135m")
+
+
+def test_tiny_gpu_has_gpu_kernel_shapes(cache_home):
+    """head_dim 128, GQA, bf16 on disk: what FlashInfer's kernels take (tests/test_gpu.py)."""
+    model = load_model("tiny-gpu", torch.bfloat16)
+    cfg = model.config
+    assert (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.num_layers) == (128, 8, 2, 4)
+    assert all(w.dtype == torch.bfloat16 for w in model.weights.values())
+    assert model.tokenizer.vocab_size == load_model("tiny").tokenizer.vocab_size
+    on_disk = load_file(str(resolve("tiny-gpu") / "model.safetensors"))
+    assert {w.dtype for w in on_disk.values()} == {torch.bfloat16}
+    assert resolve("tiny-gpu") != resolve("tiny")  # own cache entry; tiny's is unchanged
 
 
 def test_tiny_is_deterministic_per_seed(tmp_path):

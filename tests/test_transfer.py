@@ -35,10 +35,10 @@ BLOCK_SIZE = 16
 class PeerProc:
     """Client side of one peer process: JSON-line calls and events."""
 
-    def __init__(self, worker_id: str, num_blocks: int = 512) -> None:
+    def __init__(self, worker_id: str, num_blocks: int = 512, device: str = "cpu") -> None:
         self.worker_id = worker_id
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), worker_id, SECRET, str(num_blocks)],
+            [sys.executable, str(PEER), worker_id, SECRET, str(num_blocks), device],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -106,8 +106,8 @@ class PeerProc:
                 self.proc.wait()
 
 
-def spawn(*worker_ids: str) -> list[PeerProc]:
-    peers = [PeerProc(w) for w in worker_ids]
+def spawn(*worker_ids: str, device: str = "cpu") -> list[PeerProc]:
+    peers = [PeerProc(w, device=device) for w in worker_ids]
     for p in peers:
         p.wait_ready()
     return peers
@@ -156,6 +156,15 @@ def test_fingerprint_digest_covers_every_field() -> None:
     assert len({base.digest(), *(v.digest() for v in variants)}) == 5
     with pytest.raises(ValueError):
         KVFingerprint("a", "w", "bf16", 16, "x", 2, 2)
+
+
+def test_node_config_names_a_cuda_device_or_none() -> None:
+    from shared.transfer.ucx_node import TransferNodeConfig, bind_cuda_device
+
+    assert TransferNodeConfig(cuda_device="cuda:1").cuda_device == "cuda:1"
+    with pytest.raises(ValueError, match="cuda_device"):
+        TransferNodeConfig(cuda_device="cpu")
+    bind_cuda_device("cpu")  # CPU memory: nothing to bind, and no CUDA call is made
 
 
 def test_ticket_is_sealed() -> None:
@@ -212,6 +221,21 @@ def test_round_trip_random_block_tables(
     dst.clean_state(free_dst)
 
 
+@pytest.mark.parametrize("num_tokens", [90, 2000])
+def test_round_trip_with_the_device_checksum(peers: list[PeerProc], num_tokens: int) -> None:
+    """A sender naming fold64 (what a CUDA arena sends) is verified by a CPU receiver with
+    the same function: the envelope's algorithm, not the receiver's device, decides."""
+    src, dst = peers[0], peers[1]
+    free_src, free_dst = src.call("state")["free_blocks"], dst.call("state")["free_blocks"]
+    rid = f"fold-{num_tokens}"
+    filled, sent, recv = transfer(src, dst, rid, num_tokens, checksum_algorithm="fold64")
+    assert sent["ok"] and recv["ok"], (sent, recv)
+    assert recv["digests"] == filled["digests"]
+    src.clean_state(free_src)
+    dst.call("free", seq=rid)
+    dst.clean_state(free_dst)
+
+
 def test_wrong_fingerprint_is_rejected(peers: list[PeerProc]) -> None:
     src, dst = peers[0], peers[1]
     free_src, free_dst = src.call("state")["free_blocks"], dst.call("state")["free_blocks"]
@@ -223,18 +247,27 @@ def test_wrong_fingerprint_is_rejected(peers: list[PeerProc]) -> None:
     dst.clean_state(free_dst)
 
 
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "fold64"])
 @pytest.mark.parametrize(
     ("num_tokens", "bad_block"),
     # 90 tokens: hashed inline; 2000 tokens (2 MiB, many segments into w1's scattered
-    # blocks): hashed by the receiver's hash thread as segments land.
+    # blocks): hashed by the receiver's hash thread as segments land. fold64 is the CUDA
+    # arenas' checksum, run here through the same functions on CPU tensors.
     [(90, 2), (2000, 100)],
 )
 def test_one_flipped_byte_is_rejected(
-    peers: list[PeerProc], num_tokens: int, bad_block: int
+    peers: list[PeerProc], num_tokens: int, bad_block: int, algorithm: str
 ) -> None:
     src, dst = peers[0], peers[1]
     free_src, free_dst = src.call("state")["free_blocks"], dst.call("state")["free_blocks"]
-    _, sent, recv = transfer(src, dst, f"flip{num_tokens}", num_tokens, corrupt_block=bad_block)
+    _, sent, recv = transfer(
+        src,
+        dst,
+        f"flip{num_tokens}-{algorithm}",
+        num_tokens,
+        corrupt_block=bad_block,
+        checksum_algorithm=algorithm,
+    )
     assert recv["error"] == "kv_transfer_rejected"
     assert recv["reason"] == f"checksum mismatch at logical block {bad_block}"
     assert sent["error"] == "kv_transfer_rejected"
@@ -347,3 +380,30 @@ def test_100_concurrent_transfers_between_3_workers(peers: list[PeerProc]) -> No
         dst.call("free", seq=rid)
     for p, free in zip(peers, free0, strict=True):
         p.clean_state(free)
+
+
+# ----------------------------------------------------------------------- CUDA memory
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_handoff_between_processes_from_cuda_memory() -> None:
+    """Both arenas in GPU memory: UCX moves device memory itself (cuda_ipc/cuda_copy), the
+    checksums are fold64 on the device, a flipped byte is still caught."""
+    src, dst = spawn("g0", "g1", device="cuda")
+    try:
+        dst.call("scatter")
+        free_src, free_dst = src.call("state")["free_blocks"], dst.call("state")["free_blocks"]
+        filled, sent, recv = transfer(src, dst, "cuda-rt", 2000, meta={"first_token": 5})
+        assert sent["ok"] and recv["ok"], (sent, recv)
+        assert recv["digests"] == filled["digests"]
+        src.clean_state(free_src)
+        dst.call("free", seq="cuda-rt")
+        dst.clean_state(free_dst)
+        _, sent, recv = transfer(
+            src, dst, "cuda-flip", 2000, corrupt_block=50, checksum_algorithm="fold64"
+        )
+        assert recv["reason"] == "checksum mismatch at logical block 50", recv
+        src.clean_state(free_src)
+        dst.clean_state(free_dst)
+    finally:
+        for p in (src, dst):
+            p.stop()

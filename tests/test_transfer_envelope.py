@@ -80,3 +80,57 @@ def test_envelope_and_trailer_round_trip_and_bind() -> None:
         decode_trailer(trailer, env.transfer_id, other_mac, SECRET)
     with pytest.raises(TransferRejected):
         Envelope.decode(frame, b"x" * 32)
+
+
+def test_checksum_algorithm_travels_sealed_and_defaults_to_xxh3() -> None:
+    from dataclasses import replace
+
+    from shared.transfer.envelope import seal
+
+    env = replace(_envelope(4), checksum_algorithm="fold64")
+    decoded, _ = Envelope.decode(env.encode(SECRET)[0], SECRET)
+    assert decoded.checksum_algorithm == "fold64"
+    # An envelope from a sender that predates the field means xxh3_64.
+    fields = {k: v for k, v in _shallow(_envelope(4)).items() if k != "checksum_algorithm"}
+    old, _ = Envelope.decode(seal("envelope", fields, SECRET)[0], SECRET)
+    assert old.checksum_algorithm == "xxh3_64"
+
+
+def test_receiver_rejects_an_unknown_checksum_algorithm() -> None:
+    """The name is checked before any block is received (KVReceiver._check_envelope)."""
+    from dataclasses import replace
+
+    from shared.engine.block_manager import BlockManager
+    from shared.engine.kv_arena import KVArena
+    from shared.transfer import KVFingerprint, KVReceiver, TransferTicket
+
+    arena = KVArena(8, 1, 1, 8, 16)
+    fp = KVFingerprint("a", "w", "float32", 16, arena.layout)
+    receiver = KVReceiver(
+        object(),  # never used by the check
+        worker_id="d0",
+        block_manager=BlockManager(8, 16),
+        arena=arena,
+        fingerprint=fp,
+        secret=SECRET,
+    )
+    ticket = TransferTicket(1 << 20, "r", "d0", b"a", "h", (0, 1), (0, 0), 0, 32, 16, 1024)
+    env = replace(
+        _envelope(2),
+        fingerprint_digest=fp.digest(),
+        token_end=32,
+        block_nbytes=arena.block_nbytes,
+        generations=(0, 0),
+        segments=((0, 2),),
+    )
+    receiver._check_envelope(ticket, env, (0, 1))  # the same envelope, named right, passes
+    with pytest.raises(TransferRejected, match="unknown checksum algorithm 'crc32'"):
+        receiver._check_envelope(ticket, replace(env, checksum_algorithm="crc32"), (0, 1))
+
+
+def _shallow(env: Envelope) -> dict:
+    from dataclasses import fields
+
+    out = {f.name: getattr(env, f.name) for f in fields(env)}
+    out["meta"] = dict(env.meta)
+    return out

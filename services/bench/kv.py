@@ -34,11 +34,21 @@ _LAYERS, _HEADS, _BLOCK_TOKENS = 8, 2, 16
 _MAX_BLOCKS_PER_TRANSFER = 16384
 
 
-def _arena(num_blocks: int, block_kib: int) -> Any:
+def _arena(num_blocks: int, block_kib: int, device: str = "cpu") -> Any:
     import torch
 
     from shared.engine.kv_arena import KVArena
 
+    if device != "cpu":  # device memory, as a GPU worker's arena: UCX reads/writes it
+        arena = KVArena(
+            num_blocks, _LAYERS, _HEADS, block_kib // 2, _BLOCK_TOKENS, torch.float32, device
+        )
+        flat = arena.tensor.view(-1).view(torch.uint8)
+        flat.copy_(
+            torch.arange(flat.numel(), dtype=torch.int64, device=device).remainder_(251).byte()
+        )
+        torch.cuda.synchronize(device)
+        return arena
     arena = KVArena(1, _LAYERS, _HEADS, block_kib // 2, _BLOCK_TOKENS, torch.float32)
     # Back the arena with transparent huge pages (numpy madvises large allocations; torch's
     # CPU allocator does not): UCX's shared-memory copy (CMA) pins pages one by one and
@@ -62,10 +72,11 @@ SECRET = b"bench-secret-not-for-production"
 
 
 # ------------------------------------------------------------------------ sender
-async def _sender_main() -> None:
+async def _sender_main(device: str) -> None:
     from shared.transfer import KVSender, TransferNode, TransferTicket
+    from shared.transfer.ucx_node import TransferNodeConfig
 
-    node = TransferNode()
+    node = TransferNode(TransferNodeConfig(cuda_device=None if device == "cpu" else device))
     await node.start()
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 26)  # tickets of 64k blocks are long lines
@@ -77,7 +88,7 @@ async def _sender_main() -> None:
     while line := await reader.readline():
         msg = json.loads(line)
         if msg["cmd"] == "setup":
-            arena = _arena(msg["num_blocks"], msg["block_kib"])
+            arena = _arena(msg["num_blocks"], msg["block_kib"], msg.get("device", "cpu"))
             senders = {
                 v: KVSender(
                     node,
@@ -124,14 +135,35 @@ class _Memcpy:
         return time.perf_counter() - t0
 
 
+class _DeviceCopy:
+    """The memcpy baseline in device memory: ``dst.copy_(src)`` between two device
+    buffers of the transfer's size, timed to completion (same role as ``_Memcpy``)."""
+
+    def __init__(self, nbytes: int, device: str) -> None:
+        import torch
+
+        self._torch = torch
+        self.device = device
+        self.src = torch.full((nbytes,), 7, dtype=torch.uint8, device=device)
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.seconds()
+
+    def seconds(self) -> float:
+        self._torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        self._torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
+
 class _Pair:
     """This process receives; a child process sends. Same UCX_TLS for both."""
 
-    def __init__(self, node: Any) -> None:
+    def __init__(self, node: Any, device: str) -> None:
         rfd, wfd = os.pipe()
         env = dict(os.environ, KV_BENCH_FD=str(wfd))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.bench.kv", "--role", "sender"],
+            [sys.executable, "-m", "services.bench.kv", "--role", "sender", "--device", device],
             stdin=subprocess.PIPE,
             text=True,
             env=env,
@@ -257,18 +289,21 @@ def _row(
 async def _pair_main(args: argparse.Namespace) -> dict[str, Any]:
     from shared.engine.block_manager import BlockManager
     from shared.transfer import KVReceiver, TransferNode
+    from shared.transfer.ucx_node import TransferNodeConfig
 
-    node = TransferNode()
+    node = TransferNode(
+        TransferNodeConfig(cuda_device=None if args.device == "cpu" else args.device)
+    )
     await node.start()
-    pair = _Pair(node)
+    pair = _Pair(node, args.device)
     rows: list[dict[str, Any]] = []
     overhead: dict[str, Any] = {}
     for block_kib in args.block_kib:
         num_blocks = min(
             max(args.payload_mib) * MIB // (block_kib * 1024), _MAX_BLOCKS_PER_TRANSFER
         )
-        arena = _arena(num_blocks, block_kib)
-        pair.call(cmd="setup", num_blocks=num_blocks, block_kib=block_kib)
+        arena = _arena(num_blocks, block_kib, args.device)
+        pair.call(cmd="setup", num_blocks=num_blocks, block_kib=block_kib, device=args.device)
         bm = BlockManager(num_blocks, _BLOCK_TOKENS)  # one per arena, shared by both modes
         receivers = {
             v: KVReceiver(
@@ -295,7 +330,11 @@ async def _pair_main(args: argparse.Namespace) -> dict[str, Any]:
             if payload * MIB // (block_kib * 1024) > _MAX_BLOCKS_PER_TRANSFER:
                 continue  # 1 GiB of 16 KiB blocks: per-block Python bookkeeping dominates
             tokens = payload * MIB // arena.block_nbytes * _BLOCK_TOKENS
-            memcpy = _Memcpy(payload * MIB)
+            memcpy: Any = (
+                _Memcpy(payload * MIB)
+                if args.device == "cpu"
+                else _DeviceCopy(payload * MIB, args.device)
+            )
             runs: dict[bool, list[dict[str, Any]]] = {True: [], False: []}
             reps = 2 if payload >= 1024 else args.reps
             for i in range(reps + 1):  # first round: warm-up
@@ -317,7 +356,7 @@ async def _pair_main(args: argparse.Namespace) -> dict[str, Any]:
             del memcpy
         del arena, receivers
     pair.close()
-    return {"tls": args.tls[0], "rows": rows, "overhead_us": overhead}
+    return {"tls": args.tls[0], "device": args.device, "rows": rows, "overhead_us": overhead}
 
 
 # ------------------------------------------------------------------------ driver
@@ -327,12 +366,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tls", action="append", help="UCX_TLS settings to try ('auto' = unset)")
     p.add_argument("--payload-mib", type=int, nargs="+", default=None)
     p.add_argument("--block-kib", type=int, nargs="+", default=None)
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="where both arenas live: cpu, or cuda[:N] (then the baseline is a device copy)",
+    )
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--overhead-reps", type=int, default=30)
     p.add_argument(
         "--role", choices=["driver", "pair", "sender"], default="driver", help=argparse.SUPPRESS
     )
     args = p.parse_args(argv)
+    if args.device != "cpu" and not args.device.startswith("cuda"):
+        p.error(f"--device must be cpu or cuda[:N], got {args.device!r}")
     args.payload_mib = args.payload_mib or ([16, 64] if args.quick else [16, 64, 256, 1024])
     args.block_kib = args.block_kib or ([64] if args.quick else [16, 64, 256])
     args.tls = args.tls or (["auto"] if args.quick else ["auto", "sm,self", "tcp"])
@@ -342,7 +388,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.role == "sender":
-        asyncio.run(_sender_main())
+        asyncio.run(_sender_main(args.device))
         return 0
     if args.role == "pair":
         result = asyncio.run(_pair_main(args))
@@ -359,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
             str(args.reps),
             "--overhead-reps",
             str(args.overhead_reps),
+            "--device",
+            args.device,
             "--payload-mib",
             *map(str, args.payload_mib),
             "--block-kib",
@@ -401,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "kv",
         # kv_zero_on_free: median over >= 64 MiB validated hand-offs of zeroing / transfer.
         "zero_on_free_overhead": round(statistics.median(zero), 3) if zero else None,
+        "device": args.device,
         "best_ratio": best_on["ratio"] if best_on else None,
         "best": best_on,
         "best_ratio_no_validation": best_off["ratio"] if best_off else None,

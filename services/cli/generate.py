@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 
 from shared.errors import FluidPDError
@@ -11,7 +13,7 @@ from shared.errors import FluidPDError
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fluidpd generate", description=__doc__)
-    p.add_argument("--model", default="smollm2-135m", help="tiny | smollm2-135m | PATH")
+    p.add_argument("--model", default="smollm2-135m", help="tiny | tiny-gpu | smollm2-135m | PATH")
     p.add_argument("--prompt", required=True)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--max-tokens", type=int, default=32)
@@ -22,12 +24,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument(
+        "--device",
+        default=os.environ.get("FLUIDPD_DEVICE", "cpu"),
+        help="cpu | cuda | cuda:N (env FLUIDPD_DEVICE); dtype follows it (bf16 on CUDA)",
+    )
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        parser.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.device != "cpu":
+        import torch
+
+        if not torch.cuda.is_available():
+            print(
+                f"fluidpd generate: error: --device {args.device}: no CUDA device", file=sys.stderr
+            )
+            return 2
     try:
         return _run(args)
     except FluidPDError as exc:
@@ -51,7 +69,9 @@ def _run(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
-    engine = Engine.load(EngineConfig(model=args.model, num_threads=args.threads))
+    engine = Engine.load(
+        EngineConfig(model=args.model, num_threads=args.threads, device=args.device)
+    )
     tok = engine.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])

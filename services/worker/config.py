@@ -32,7 +32,7 @@ class WorkerConfig:
     subject_prefix: str = "fluidpd"
     engine: str = "torch"
     device: str = "cpu"  # cpu | cuda | cuda:N (torch engine)
-    dtype: str = "float32"  # float32 | bfloat16 | float16 (torch engine)
+    dtype: str = "auto"  # auto (bfloat16 on CUDA, else float32) | float32 | bfloat16 | float16
     model: str = "tiny"
     profile: str = ""
     num_threads: int = 0

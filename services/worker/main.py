@@ -36,8 +36,9 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--device", default=env("FLUIDPD_DEVICE", "cpu"), help="cpu | cuda | cuda:N")
     p.add_argument(
         "--dtype",
-        default=env("FLUIDPD_DTYPE", "float32"),
-        choices=("float32", "bfloat16", "float16"),
+        default=env("FLUIDPD_DTYPE", "auto"),
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="auto: bfloat16 on CUDA, float32 on CPU",
     )
     p.add_argument("--profile", default=env("FLUIDPD_PROFILE", ""))
     p.add_argument("--policy-config", default=env("FLUIDPD_POLICY_CONFIG", ""))

@@ -52,7 +52,7 @@ from shared.messages import (
 )
 from shared.transfer.receiver import KVReceiver
 from shared.transfer.sender import KVSender
-from shared.transfer.ucx_node import TransferNode
+from shared.transfer.ucx_node import TransferNode, TransferNodeConfig
 
 log = structlog.get_logger(__name__)
 
@@ -98,7 +98,9 @@ class WorkerRuntime(Service):
         self.engine = await loop.run_in_executor(self.executor, build_engine, cfg)
         self.engine.reslice(self.role)  # a prefill worker's arena lends its workspace
         fingerprint = fingerprint_of(self.engine)
-        self.node = TransferNode()
+        self.node = TransferNode(
+            TransferNodeConfig(cuda_device=cfg.device if cfg.device.startswith("cuda") else None)
+        )
         await self.node.start()
         self._stack.push_async_callback(self.node.close)
         secret = self.secret = cfg.secret_bytes  # never empty (WorkerConfig checks)

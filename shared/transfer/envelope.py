@@ -6,9 +6,10 @@ bytes sent, so no canonical encoding is needed, and ``kind`` is inside the MAC s
 of one kind cannot be replayed as another. A peer without the cluster secret cannot forge
 a ticket, an envelope, a trailer or a verdict, hence cannot get a block installed.
 
-Checksums are xxh3_64 of each block's bytes. They travel in a separate trailer (sealed and
-bound to the envelope's MAC) so the sender can hash block runs while earlier runs are
-already on the wire.
+Checksums are per block, of the algorithm the envelope names (``checksum_algorithm``:
+xxh3_64 from a CPU arena, fold64 from a CUDA one; shared/transfer/checksum.py). They travel
+in a separate trailer (sealed and bound to the envelope's MAC) so the sender can hash block
+runs while earlier runs are already on the wire.
 """
 
 from __future__ import annotations
@@ -24,9 +25,24 @@ from typing import Any
 
 import msgpack
 import numpy as np
-import xxhash
 
+from shared.transfer.checksum import XXH3, block_checksums
 from shared.transfer.errors import TransferRejected
+
+__all__ = [  # block_checksums is re-exported: callers hash with the envelope's names
+    "Envelope",
+    "KVFingerprint",
+    "TransferTicket",
+    "block_checksums",
+    "decode_abort",
+    "decode_trailer",
+    "decode_verdict",
+    "encode_abort",
+    "encode_trailer",
+    "encode_verdict",
+    "seal",
+    "unseal",
+]
 
 PROTOCOL_VERSION = 1
 META_MAX_BYTES = 4096
@@ -60,20 +76,6 @@ class KVFingerprint:
         """Stable hex digest (sha256 of the sorted-key JSON of every field)."""
         text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
-
-
-def block_checksums(run: np.ndarray, block_nbytes: int) -> list[int]:
-    """xxh3_64 of each block in ``run`` (a contiguous uint8 array of whole blocks).
-
-    Pure; releases the GIL inside xxhash, so it may run in a worker thread.
-    """
-    if run.nbytes % block_nbytes:
-        raise ValueError(f"run of {run.nbytes} bytes is not whole {block_nbytes}-byte blocks")
-    # Slicing a memoryview costs a third of slicing the ndarray (per block, at 16 KiB
-    # blocks that is most of the non-hashing time).
-    data = run.data.cast("B")
-    digest = xxhash.xxh3_64_intdigest
-    return [digest(data[i : i + block_nbytes]) for i in range(0, run.nbytes, block_nbytes)]
 
 
 def _shallow_fields(obj: Any) -> dict[str, Any]:
@@ -180,6 +182,7 @@ class Envelope:
     src_host_id: str
     has_checksums: bool
     meta: Mapping[str, Any] = field(default_factory=dict)
+    checksum_algorithm: str = XXH3  # how the trailer's sums were made (checksum.ALGORITHMS)
     version: int = PROTOCOL_VERSION
 
     def encode(self, secret: bytes) -> tuple[bytes, bytes]:

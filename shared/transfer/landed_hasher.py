@@ -17,11 +17,11 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from shared.aio import resolve
-from shared.transfer.envelope import block_checksums
 
 POLL_S = 0.0001  # how often the thread looks for landed segments while receives are open
 
@@ -35,9 +35,9 @@ def _post(f: _Follow) -> None:
 @dataclass(eq=False)
 class _Follow:
     reqs: list[Any]  # UCX receive ops, appended by the event loop as it posts them
-    runs: list[Any]  # uint8 arrays the receives land in (a run is appended before its op)
+    runs: list[Any]  # uint8 views the receives land in (a run is appended before its op)
     num_segments: int
-    block_nbytes: int
+    hasher: Callable[[Any], list[int]]
     stop: threading.Event
     loop: asyncio.AbstractEventLoop
     fut: asyncio.Future[list[int]]
@@ -46,7 +46,7 @@ class _Follow:
 
 
 class LandedHasher:
-    """Checksums per block (xxh3_64) of the segments of many receives, as each lands.
+    """Checksums per block of the segments of many receives, as each lands.
 
     ``follow`` is called from an event loop; results come back on that loop. Reads only
     ``completed`` flags and landed bytes; never writes the arena.
@@ -64,17 +64,18 @@ class LandedHasher:
         reqs: list[Any],
         runs: list[Any],
         num_segments: int,
-        block_nbytes: int,
+        hasher: Callable[[Any], list[int]],
         stop: threading.Event,
     ) -> asyncio.Future[list[int]]:
-        """Checksum segment k of a receive once ``reqs[k].completed``, for k in order.
+        """Checksum segment k of a receive once ``reqs[k].completed``, for k in order,
+        with ``hasher`` (a checksum.BlockHasher: run -> per-block sums, on the run's device).
 
         The returned future gets every block's checksum in logical order, or a partial
         list once ``stop`` is set (the caller has given up and discards it).
         Raises RuntimeError after ``close``.
         """
         loop = asyncio.get_running_loop()
-        f = _Follow(reqs, runs, num_segments, block_nbytes, stop, loop, loop.create_future())
+        f = _Follow(reqs, runs, num_segments, hasher, stop, loop, loop.create_future())
         with self._lock:
             if self._closed:
                 raise RuntimeError("LandedHasher is closed")
@@ -111,7 +112,7 @@ class LandedHasher:
             for f in follows:  # one segment per receive per round: a stalled one waits alone
                 k = f.next_segment
                 if not f.stop.is_set() and len(f.reqs) > k and f.reqs[k].completed:
-                    f.sums.extend(block_checksums(f.runs[k], f.block_nbytes))
+                    f.sums.extend(f.hasher(f.runs[k]))
                     f.next_segment = k + 1
                     hashed = True
                 if f.stop.is_set() or f.next_segment == f.num_segments:

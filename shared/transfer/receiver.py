@@ -11,7 +11,9 @@ owns the reservation from then on and ends in exactly one of two ways:
   never land in blocks that another request owns. Blocks are zeroed on free when the
   BlockManager was built with ``zero_fn=arena.zero_blocks`` (kv_zero_on_free).
 
-Segments land directly in ``arena.run_bytes`` views: zero copies on this side.
+Segments land directly in ``arena.run_bytes`` views: zero copies on this side, also when
+the arena is CUDA memory (UCX writes device memory itself; checksums are computed on the
+device with the algorithm the envelope names, shared/transfer/checksum.py).
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ from typing import Any
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_arena import KVArena
 from shared.transfer import protocol as proto
+from shared.transfer.checksum import ALGORITHMS, BlockHasher
 from shared.transfer.envelope import (
     PROTOCOL_VERSION,
     Envelope,
     KVFingerprint,
     TransferTicket,
-    block_checksums,
     decode_abort,
     decode_trailer,
     encode_verdict,
@@ -45,7 +47,7 @@ from shared.transfer.errors import (
     TransportError,
 )
 from shared.transfer.landed_hasher import LandedHasher
-from shared.transfer.ucx_node import TransferNode
+from shared.transfer.ucx_node import TransferNode, bind_cuda_device
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +112,8 @@ class KVReceiver:
         self._active: set[int] = set()
         self._hasher = LandedHasher()  # one thread, started at the first large receive
         self._drains: set[asyncio.Task[None]] = set()
+        self._hashers: dict[str, BlockHasher] = {}  # by algorithm, on the arena's device
+        bind_cuda_device(arena.tensor.device)  # this (the event loop's) thread posts receives
 
     def prepare(
         self, request_id: str, *, num_tokens: int, num_blocks: int | None = None
@@ -288,15 +292,19 @@ class KVReceiver:
         assert st.envelope is not None
         env, request_id = st.envelope, st.ticket.request_id
         block_nbytes = self.arena.block_nbytes
+        hasher = self._block_hasher(env.checksum_algorithm) if self.verify_checksums else None
+        on_device = self.arena.tensor.device.type != "cpu"
         views: list[Any] = []
         follower: asyncio.Future[list[int]] | None = None
-        if self.verify_checksums and env.num_blocks * block_nbytes >= _INLINE_HASH_BYTES:
+        if hasher is not None and (
+            on_device or env.num_blocks * block_nbytes >= _INLINE_HASH_BYTES
+        ):  # on CUDA always: the hash waits for its kernels, which must not hold the loop
             follower = self._hasher.follow(
-                st.pinned, views, len(env.segments), block_nbytes, st.hash_stop
+                st.pinned, views, len(env.segments), hasher, st.hash_stop
             )
         for k, (first, count) in enumerate(env.segments):
             view = self.arena.run_bytes(dst[first], count)
-            views.append(view.numpy())  # before its receive: the follower reads both
+            views.append(view)  # before its receive: the follower reads both
             self.bm.begin_receive(request_id)
             try:
                 req = self.node.post_recv(view, proto.segment_tag(st.ticket.transfer_id, k))
@@ -316,8 +324,8 @@ class KVReceiver:
         sums: list[int] = []
         if follower is not None:
             sums = await follower
-        elif self.verify_checksums:
-            sums = [c for run in views for c in block_checksums(run, block_nbytes)]
+        elif hasher is not None:
+            sums = [c for run in views for c in hasher(run)]
         st.marks["hashed"] = loop.time()
         await self.node.wait(trailer_req)
         return sums
@@ -365,6 +373,8 @@ class KVReceiver:
             raise reject("segments do not tile the reserved blocks")
         if self.verify_checksums and not env.has_checksums:
             raise reject("checksums required")
+        if self.verify_checksums and env.checksum_algorithm not in ALGORITHMS:
+            raise reject(f"unknown checksum algorithm {env.checksum_algorithm!r}")
 
     async def _settle_control(self, st: _Inbound) -> None:
         for task in st.tasks:
@@ -423,6 +433,14 @@ class KVReceiver:
             )
         except Exception:
             log.warning("kv verdict not sent transfer=%x", env.transfer_id)
+
+    def _block_hasher(self, algorithm: str) -> BlockHasher:
+        """The hasher for ``algorithm`` on this arena's device (checked by _check_envelope)."""
+        if algorithm not in self._hashers:
+            self._hashers[algorithm] = BlockHasher(
+                algorithm, self.arena.block_nbytes, self.arena.tensor.device
+            )
+        return self._hashers[algorithm]
 
     def close(self) -> None:
         self._hasher.close()

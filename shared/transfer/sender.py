@@ -7,8 +7,14 @@ sequence from growing or being freed until ``on_source_released`` has been calle
 Message order: sealed envelope, then one message per segment (a run contiguous on both
 sides, sent from a contiguous view of our arena: zero copies on this side), then the
 sealed checksum trailer. Checksums of segment k+1 are computed (in a worker thread,
-xxhash releases the GIL) while segment k is on the wire. Then we wait for the receiver's
-sealed verdict.
+xxhash and torch release the GIL) while segment k is on the wire. Then we wait for the
+receiver's sealed verdict.
+
+Device-agnostic: segments are views of the arena wherever it lives. A CUDA arena is sent
+straight from device memory (ucxx takes ``__cuda_array_interface__``; UCX moves it with
+cuda_ipc/cuda_copy on one host) and hashed on the device (checksum.fold64): no host copy.
+The caller's contract: the blocks' writes have finished. The engine guarantees it: every
+forward ends in sampling on the host, which waits for the stream the KV was written on.
 """
 
 from __future__ import annotations
@@ -23,17 +29,17 @@ from typing import Any
 
 from shared.engine.kv_arena import KVArena
 from shared.transfer import protocol as proto
+from shared.transfer.checksum import ALGORITHMS, BlockHasher, algorithm_for
 from shared.transfer.envelope import (
     Envelope,
     KVFingerprint,
     TransferTicket,
-    block_checksums,
     decode_verdict,
     encode_abort,
     encode_trailer,
 )
 from shared.transfer.errors import TransferError, TransferRejected, TransferTimeout
-from shared.transfer.ucx_node import TransferNode
+from shared.transfer.ucx_node import TransferNode, bind_cuda_device
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +75,17 @@ class KVSender:
         secret: bytes,
         send_checksums: bool = True,
         max_segment_bytes: int = 8 << 20,
+        checksum_algorithm: str | None = None,
     ) -> None:
         """``max_segment_bytes`` caps one message so the receiver can checksum segment k
-        while k+1 is still being copied (a whole-run message would serialise the two)."""
+        while k+1 is still being copied (a whole-run message would serialise the two).
+        ``checksum_algorithm``: one of checksum.ALGORITHMS; None picks by the arena's
+        device (``algorithm_for``). Raises ValueError on bad arguments."""
         if not secret:
             raise ValueError("a cluster secret is required")
+        if checksum_algorithm is not None and checksum_algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown checksum algorithm {checksum_algorithm!r}")
+        self.checksum_algorithm = checksum_algorithm
         if max_segment_bytes <= 0:
             raise ValueError("max_segment_bytes must be > 0")
         self.max_segment_bytes = max_segment_bytes
@@ -83,6 +95,7 @@ class KVSender:
         self._secret = secret
         self.send_checksums = send_checksums
         self._hash_pool = ThreadPoolExecutor(1, thread_name_prefix="kv-send-hash")
+        self._hashers: dict[tuple[str, int], BlockHasher] = {}  # (device, block_nbytes)
 
     async def send(
         self,
@@ -98,8 +111,9 @@ class KVSender:
     ) -> SendOutcome:
         """Send blocks ``src_block_ids`` (logical order) for ``ticket``'s token range.
 
-        Does not mutate the arena. ``checksums``: per-block xxh3_64 the caller already has
-        (computed on the fly otherwise). ``segment_ready(first, count)`` is awaited before a
+        Does not mutate the arena. ``checksums``: per-block checksums the caller already
+        has, of this sender's algorithm (``checksum_algorithm``, else the arena device's;
+        computed on the fly otherwise). ``segment_ready(first, count)`` is awaited before a
         segment is sent (stream blocks as they are computed; tests pause here).
         ``on_source_released`` is called exactly once, as soon as no UCX operation reads
         the source blocks any more (success or failure).
@@ -122,6 +136,7 @@ class KVSender:
         tid = ticket.transfer_id
         max_blocks = max(1, self.max_segment_bytes // arena.block_nbytes)
         segments = proto.plan_segments(src_block_ids, ticket.block_ids[:n], max_blocks)
+        hasher = self._hasher(arena)
         envelope = Envelope(
             transfer_id=tid,
             request_id=ticket.request_id,
@@ -138,6 +153,7 @@ class KVSender:
             src_host_id=self.node.host_id,
             has_checksums=self.send_checksums,
             meta=dict(meta or {}),
+            checksum_algorithm=hasher.algorithm,
         )
         env_frame, env_mac = envelope.encode(self._secret)
         posted: list[Any] = []
@@ -163,7 +179,7 @@ class KVSender:
                 if self.send_checksums and checksums is None:
                     # Hash what is already on the wire: the source does not change while
                     # the receiver copies it, so the trailer is ready soon after the data.
-                    hashes.append(self._hash(view.numpy(), arena.block_nbytes))
+                    hashes.append(self._hash(hasher, view))
             for fut in hashes:
                 sums.extend(await fut)
             trailer = encode_trailer(
@@ -249,14 +265,25 @@ class KVSender:
             timings_ms=timings,
         )
 
-    def _hash(self, run: Any, block_nbytes: int) -> asyncio.Future[list[int]]:
-        """Checksums of ``run``: inline when small, else queued on the hash thread."""
+    def _hasher(self, arena: KVArena) -> BlockHasher:
+        """The checksum of this arena's device (one hasher, and CUDA stream, per arena)."""
+        device = arena.tensor.device
+        key = (str(device), arena.block_nbytes)
+        if key not in self._hashers:
+            bind_cuda_device(device)  # once per arena: this (the loop's) thread posts sends
+            algorithm = self.checksum_algorithm or algorithm_for(device)
+            self._hashers[key] = BlockHasher(algorithm, arena.block_nbytes, device)
+        return self._hashers[key]
+
+    def _hash(self, hasher: BlockHasher, run: Any) -> asyncio.Future[list[int]]:
+        """Checksums of ``run``: inline when small on CPU, else queued on the hash thread
+        (on CUDA always: the hash waits for its kernels, which must not hold the loop)."""
         loop = asyncio.get_running_loop()
-        if run.nbytes < _INLINE_HASH_BYTES:
+        if run.device.type == "cpu" and run.numel() < _INLINE_HASH_BYTES:
             fut: asyncio.Future[list[int]] = loop.create_future()
-            fut.set_result(block_checksums(run, block_nbytes))
+            fut.set_result(hasher(run))
             return fut
-        return loop.run_in_executor(self._hash_pool, block_checksums, run, block_nbytes)
+        return loop.run_in_executor(self._hash_pool, hasher, run)
 
     async def _abort(self, ep: Any, transfer_id: int, reason: str) -> None:
         """Best effort: tell the receiver to free its reservation now."""

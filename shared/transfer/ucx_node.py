@@ -51,15 +51,33 @@ def default_host_id() -> str:
 
 @dataclass(frozen=True)
 class TransferNodeConfig:
-    """``ucx_tls``: None leaves UCX_TLS to the environment / UCX's own choice."""
+    """``ucx_tls``: None leaves UCX_TLS to the environment / UCX's own choice.
+    ``cuda_device``: the device whose memory this process moves (``cuda``, ``cuda:N``), or
+    None for CPU memory only."""
 
     ucx_tls: str | None = None
     host_id: str = field(default_factory=default_host_id)
     cancel_grace_s: float = 5.0
+    cuda_device: str | None = None
 
     def __post_init__(self) -> None:
         if self.cancel_grace_s <= 0:
             raise ValueError("cancel_grace_s must be > 0")
+        if self.cuda_device is not None and not self.cuda_device.startswith("cuda"):
+            raise ValueError(f"cuda_device must be cuda or cuda:N, got {self.cuda_device!r}")
+
+
+def bind_cuda_device(device: Any) -> None:
+    """Make ``device``'s primary CUDA context current on the calling thread; no-op for a
+    CPU device. Why: UCX's cuda_copy/cuda_ipc work in the calling thread's context, ucxx
+    wants one before it initialises, and a worker creates its CUDA context in its engine
+    thread, not in the event loop's thread that makes every UCX call."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return
+    torch.cuda.set_device(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def _find_cancel() -> Callable[[int], None] | None:
@@ -180,6 +198,8 @@ class TransferNode:
         apply_env_defaults()  # see ucx_guard: a dead sender must not take the receiver down
         if self.config.ucx_tls is not None:
             os.environ["UCX_TLS"] = self.config.ucx_tls
+        if self.config.cuda_device is not None:
+            bind_cuda_device(self.config.cuda_device)
         import ucxx
 
         try:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -34,6 +35,8 @@ from shared.transfer import (
     TransferTicket,
     block_checksums,
 )
+from shared.transfer.checksum import XXH3
+from shared.transfer.ucx_node import TransferNodeConfig
 
 BLOCK_SIZE = 16
 
@@ -51,12 +54,14 @@ def fingerprint(arena: KVArena, weights: str = "w0") -> KVFingerprint:
 
 
 class Peer:
-    def __init__(self, worker_id: str, secret: bytes, num_blocks: int) -> None:
+    def __init__(self, worker_id: str, secret: bytes, num_blocks: int, device: str = "cpu") -> None:
         self.worker_id = worker_id
         self.secret = secret
-        self.arena = KVArena(num_blocks, 2, 2, 32, BLOCK_SIZE)
+        self.arena = KVArena(num_blocks, 2, 2, 32, BLOCK_SIZE, device=device)
         self.bm = BlockManager(num_blocks, BLOCK_SIZE, zero_fn=self.arena.zero_blocks)
-        self.node = TransferNode()
+        self.node = TransferNode(
+            TransferNodeConfig(cuda_device=None if device == "cpu" else device)
+        )
         self.tickets: dict[str, TransferTicket] = {}
         self.resume: dict[str, asyncio.Event] = {}
         self.tasks: set[asyncio.Task[None]] = set()
@@ -84,15 +89,18 @@ class Peer:
 
     def digests(self, block_ids: Any) -> list[str]:
         return [
-            hashlib.blake2b(self.arena.block_bytes(b).numpy().tobytes(), digest_size=8).hexdigest()
+            hashlib.blake2b(
+                self.arena.block_bytes(b).cpu().numpy().tobytes(), digest_size=8
+            ).hexdigest()
             for b in block_ids
         ]
 
     def fill(self, seq: str, block_ids: Any, seed: int) -> None:
         gen = random.Random(seed)
         for b in block_ids:
-            view = self.arena.block_bytes(b).numpy()
-            view[:] = np.frombuffer(gen.randbytes(view.nbytes), dtype=np.uint8)
+            view = self.arena.block_bytes(b)
+            data = np.frombuffer(gen.randbytes(view.numel()), dtype=np.uint8).copy()
+            view.copy_(torch.from_numpy(data))  # host -> wherever the arena lives
 
     # ------------------------------------------------------------------ commands
     async def cmd_fill(self, seq: str, num_tokens: int, seed: int) -> dict[str, Any]:
@@ -184,21 +192,27 @@ class Peer:
         corrupt_block: int | None = None,
         stall_after: int | None = None,
         free_on_release: bool = True,
+        checksum_algorithm: str | None = None,
     ) -> dict[str, Any]:
         tk = TransferTicket.decode(bytes.fromhex(ticket), self.secret)
         sender = self.sender
-        if secret is not None or weights is not None:
+        if secret is not None or weights is not None or checksum_algorithm is not None:
             sender = KVSender(
                 self.node,
                 worker_id=self.worker_id,
                 fingerprint=fingerprint(self.arena, weights or "w0"),
                 secret=bytes.fromhex(secret) if secret else self.secret,
+                checksum_algorithm=checksum_algorithm,
             )
         src = self.bm.block_table(seq)[: tk.num_blocks]
         sums = None
         if corrupt_block is not None:  # right checksums, wrong bytes: a flipped bit in flight
             sums = [
-                block_checksums(self.arena.block_bytes(b).numpy(), self.arena.block_nbytes)[0]
+                block_checksums(
+                    self.arena.block_bytes(b),
+                    self.arena.block_nbytes,
+                    checksum_algorithm or XXH3,
+                )[0]
                 for b in src
             ]
             self.arena.block_bytes(src[corrupt_block])[7] ^= 0x10
@@ -303,7 +317,8 @@ def main() -> None:
     sys.stdout = os.fdopen(json_fd, "w", buffering=1)
     logging.basicConfig(level=os.environ.get("PEER_LOG", "WARNING"), stream=sys.stderr)
     num_blocks = int(sys.argv[3]) if len(sys.argv) > 3 else 256
-    asyncio.run(Peer(sys.argv[1], bytes.fromhex(sys.argv[2]), num_blocks).serve())
+    device = sys.argv[4] if len(sys.argv) > 4 else "cpu"  # cuda: the arena in GPU memory
+    asyncio.run(Peer(sys.argv[1], bytes.fromhex(sys.argv[2]), num_blocks, device).serve())
 
 
 if __name__ == "__main__":
