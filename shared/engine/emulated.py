@@ -24,6 +24,7 @@ from shared.engine.batch import StepInput
 from shared.engine.block_manager import BlockManager
 from shared.engine.engine import SampleSpec
 from shared.engine.kv_arena import KVArena
+from shared.engine.logprobs import Logprob, PromptLogprobsSpec, StepOutput
 from shared.errors import ContextLengthError
 from shared.policy.predictors import LatencyProfile
 
@@ -100,6 +101,28 @@ class EmulatedEngine:
             else:
                 total += p.suffix_time_s(s.num_new_tokens, s.start_pos)
         return total * self.cfg.time_scale
+
+    def step_full(
+        self,
+        steps: Seq[StepInput],
+        specs: Seq[SampleSpec | None],
+        prompt_specs: Seq[PromptLogprobsSpec | None] | None = None,
+    ) -> StepOutput:
+        """``step`` with logprobs of the emulated model: its next token is a pure function
+        of the context, a point mass, so a sampled token has logprob 0 and is its own top-1.
+        Prompt tokens get -9999 (vLLM's clamp of -inf): it does not score text it did not
+        pick. For benchmarks of the wire cost, not for values."""
+        out = StepOutput.empty(len(steps))
+        out.tokens = self.step(steps, specs)
+        for i, spec in enumerate(specs):
+            tok = out.tokens[i]
+            if spec is not None and tok is not None and spec.params.logprobs is not None:
+                top = (tok,) if spec.params.logprobs > 0 else ()
+                out.logprobs[i] = Logprob(0.0, top, (0.0,) * len(top))
+        for i, pspec in enumerate(prompt_specs or ()):
+            if pspec is not None:
+                out.prompt_logprobs[i] = [Logprob(-9999.0) for _ in pspec.targets]
+        return out
 
     def step(self, steps: Seq[StepInput], specs: Seq[SampleSpec | None]) -> list[int | None]:
         """Sleep the predicted time, write deterministic KV bytes, return pseudo tokens."""

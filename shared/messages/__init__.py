@@ -27,6 +27,7 @@ from shared.messages.streams import (
     StreamMessage,
     TokenBatch,
     TokenItem,
+    TokenLogprob,
     WorkerTelemetry,
 )
 from shared.messages.subjects import Subjects
@@ -55,6 +56,7 @@ ALL_MESSAGE_TYPES: tuple[type[Message], ...] = (
     SwitchCommand,
     SwitchReply,
     MigrateRequest,
+    TokenLogprob,
     TokenItem,
     TokenBatch,
     WorkerTelemetry,
@@ -102,6 +104,7 @@ __all__ = [
     "SwitchReply",
     "TokenBatch",
     "TokenItem",
+    "TokenLogprob",
     "WorkerRecord",
     "WorkerRow",
     "WorkerTelemetry",
