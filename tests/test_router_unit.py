@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.router.app import Router
+from services.router.choice import TextAssembler
 from services.router.config import RouterConfig
 from services.router.errors import BadRequest, ModelNotFound
-from services.router.choice import TextAssembler
 from services.router.openai_api import (
     GenerationRequest,
     parse_chat,

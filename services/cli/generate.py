@@ -91,4 +91,7 @@ def _lp_json(lp: object) -> dict[str, object] | None:
 
     if not isinstance(lp, Logprob):
         return None
-    return {"logprob": lp.logprob, "top": [list(t) for t in zip(lp.top_ids, lp.top_logprobs)]}
+    return {
+        "logprob": lp.logprob,
+        "top": [list(t) for t in zip(lp.top_ids, lp.top_logprobs, strict=True)],
+    }
