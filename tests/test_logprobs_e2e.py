@@ -31,6 +31,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 PROMPT = "Hello there, how are you doing on this"
 TOL = 1e-4
+MAX_MODEL_LEN = 96  # --max-model-len on the workers (tiny's own limit is larger)
 
 
 @dataclass
@@ -47,6 +48,7 @@ def cluster(
     server = NatsServer(tmp_path_factory.mktemp("nats-lp"))
     server.start()
     args = ["--model", "tiny", "--num-kv-blocks", "256", "--block-size", "4"]
+    args += ["--max-model-len", str(MAX_MODEL_LEN)]
     if request.param == "split":
         args += ["--force-steal-ratio", "0.5"]  # every prompt split: P half, D half
     procs = [
@@ -228,3 +230,16 @@ async def test_n3_seeded_is_distinct_reproducible_and_frees_blocks(
     assert len(set(first)) == 3  # each choice has its own seed
     assert await ask() == first  # ... derived from the request's: reproducible
     await _all_blocks_free(bus)
+
+
+async def test_max_model_len_is_reported_and_enforced(cluster: Cluster) -> None:
+    base = next(iter(cluster.routers.values()))
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x")
+    models = await client.models.list()
+    assert (models.data[0].model_extra or {})["max_model_len"] == MAX_MODEL_LEN
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.completions.create(
+            model="tiny", prompt=[5] * (MAX_MODEL_LEN - 4), max_tokens=8, temperature=0
+        )
+    assert info.value.code == "context_length_exceeded"
+    assert f"maximum context length is {MAX_MODEL_LEN}" in str(info.value)

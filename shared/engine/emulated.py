@@ -44,8 +44,11 @@ class EmulatedConfig:
     max_num_seqs: int = 256
     kv_zero_on_free: bool = False
     time_scale: float = 1.0  # < 1 runs faster than real time (benchmarks compress time)
+    max_model_len: int = 0  # 0: the profile's context limit
 
     def __post_init__(self) -> None:
+        if self.max_model_len < 0:
+            raise ValueError("max_model_len must be >= 0")
         if self.block_size <= 0 or self.kv_bytes_per_token <= 0 or self.kv_bytes_per_token % 4:
             raise ValueError("block_size > 0 and kv_bytes_per_token a positive multiple of 4")
         if self.num_kv_blocks < 0 or self.max_num_seqs <= 0 or self.time_scale <= 0:
@@ -66,7 +69,9 @@ class EmulatedEngine:
         self.profile = profile
         self.tokenizer = tokenizer
         self.model_name = cfg.model
-        self.max_model_len = profile.max_context_tokens
+        self.max_model_len = min(
+            cfg.max_model_len or profile.max_context_tokens, profile.max_context_tokens
+        )
         num_blocks = cfg.num_kv_blocks or max(1, profile.kv_capacity_tokens // cfg.block_size)
         # One "layer" of one "head" whose width carries the scaled-down bytes per token.
         self.arena = KVArena(num_blocks, 1, 1, cfg.kv_bytes_per_token // 8, cfg.block_size)

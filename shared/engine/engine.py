@@ -23,6 +23,7 @@ from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.kv_arena import KVArena
 from shared.engine.logprobs import PromptLogprobsSpec, StepOutput, score_rows
+from shared.engine.memory import kv_budget_bytes
 from shared.engine.model import LlamaModel
 from shared.engine.sampler import sample
 from shared.errors import ContextLengthError
@@ -73,7 +74,10 @@ class Engine:
             linear_kernel=str(dict(cfg.extra).get("linear_kernel", "auto")),
         )
         block_bytes = cfg.block_size * mc.kv_bytes_per_token(cfg.torch_dtype)
-        num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // block_bytes)
+        kv_bytes = cfg.kv_cache_bytes
+        if cfg.gpu_memory_utilization > 0 and not cfg.num_kv_blocks:
+            kv_bytes = kv_budget_bytes(self.device, cfg.gpu_memory_utilization)
+        num_blocks = cfg.num_kv_blocks or max(1, kv_bytes // block_bytes)
         self.arena = KVArena(
             num_blocks,
             mc.num_layers,
