@@ -243,3 +243,33 @@ async def test_max_model_len_is_reported_and_enforced(cluster: Cluster) -> None:
         )
     assert info.value.code == "context_length_exceeded"
     assert f"maximum context length is {MAX_MODEL_LEN}" in str(info.value)
+
+
+async def test_vllm_named_metrics(cluster: Cluster) -> None:
+    """vLLM's metric names with ``model_name``, counted; the gauges back to 0 at the end."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base = next(iter(cluster.routers.values()))
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x")
+    await client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    with urllib.request.urlopen(f"{base}/metrics") as resp:
+        text = resp.read().decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    tiny = (("model_name", "tiny"),)
+    assert samples[("vllm:time_to_first_token_seconds_count", tiny)] >= 1
+    assert samples[("vllm:e2e_request_latency_seconds_count", tiny)] >= 1
+    assert samples[("vllm:time_per_output_token_seconds_count", tiny)] >= 1
+    assert samples[("vllm:generation_tokens_total", tiny)] >= 1
+    assert samples[("vllm:request_success_total", (("finished_reason", "length"), *tiny))] >= 1
+    # Nothing in flight now: both gauges back to zero.
+    assert samples[("vllm:num_requests_running", tiny)] == 0
+    assert samples[("vllm:num_requests_waiting", tiny)] == 0
+    assert "fluidpd_router_ttft_seconds_count" in text  # ours stay

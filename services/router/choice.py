@@ -61,6 +61,7 @@ class Choice:
         self._tokenizer = tokenizer
         self._req = req
         self._echo_pending = req.echo
+        self.finish_reason: str | None = None  # set by the handler at the end
 
     def feed(self, chunk: StreamChunk) -> list[str]:
         """New text pieces from ``chunk`` (the echoed prompt first). Mutates self."""

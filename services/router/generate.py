@@ -169,6 +169,7 @@ class GenerationHandler:
                 choices.append(Choice(self.tokenizer, sub, entry, i))
                 self.metrics.in_flight.inc()
                 self.metrics.prompt_tokens_total.inc(entry.prompt_len)
+                self.metrics.vllm.submitted()
             if req.stream:
                 return await self._stream(request, req, choices[0])
             return await self._whole(req, choices)
@@ -185,6 +186,13 @@ class GenerationHandler:
         self.metrics.in_flight.dec()
         self.metrics.completion_tokens_total.inc(text.num_tokens)
         self.metrics.observe_tokens(entry.arrival_s, text.receive_times_s)
+        self.metrics.vllm.finished(
+            entry.arrival_s,
+            time.time(),
+            text.receive_times_s,
+            entry.prompt_len,
+            choice.finish_reason,
+        )
         log.info(
             "request_done",
             request_id=entry.request_id,
@@ -196,12 +204,16 @@ class GenerationHandler:
     async def _collect(self, choice: Choice) -> tuple[list[str], StreamEnd | None]:
         """One step: new text pieces and the end (None while running)."""
         chunk = await self._next(choice.entry)
+        before = choice.text.num_tokens
         pieces = choice.feed(chunk)
-        if choice.text.stopped:
-            return pieces, StreamEnd("stop")
-        if chunk.end is not None and not chunk.end.failed:
+        if before == 0 and choice.text.num_tokens:
+            self.metrics.vllm.first_token()
+        end = StreamEnd("stop") if choice.text.stopped else chunk.end
+        if end is not None:
+            choice.finish_reason = end.finish_reason
+        if chunk.end is not None and not chunk.end.failed and not choice.text.stopped:
             pieces.append(choice.text.finish())
-        return pieces, chunk.end
+        return pieces, end
 
     async def _gather(self, choice: Choice) -> tuple[str, StreamEnd]:
         parts: list[str] = []
