@@ -32,7 +32,7 @@ if [ ! -x "$LMEVAL_VENV/bin/lm_eval" ]; then
   site=$("$PY" -c 'import site; print(site.getsitepackages()[0])')
   vsite=$("$LMEVAL_VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')
   echo "$site" > "$vsite/zz_fluidpd_venv.pth"
-  "$LMEVAL_VENV/bin/pip" install -q "lm-eval==0.4.*"
+  "$LMEVAL_VENV/bin/pip" install -q "lm-eval[api]==0.4.*"
 fi
 
 # The weights and an HF tokenizer directory for lm-eval's tokenizer (both from the GGUF).

@@ -229,6 +229,21 @@ async def test_n3_seeded_is_distinct_reproducible_and_frees_blocks(
     first = await ask()
     assert len(set(first)) == 3  # each choice has its own seed
     assert await ask() == first  # ... derived from the request's: reproducible
+    stream = await client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=1.0,
+        n=3,
+        seed=1234,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    streamed = ["", "", ""]
+    async for chunk in stream:
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == first  # the same three choices, streamed interleaved
     await _all_blocks_free(bus)
 
 

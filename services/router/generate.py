@@ -1,7 +1,7 @@
 """Serving one generation request over HTTP: submit, assemble text, answer (JSON or SSE).
 
 Each choice's text and logprobs are assembled by services/router/choice.py; a stop string
-ends a choice early (its workers get a CancelRequest). ``n > 1``: n requests to the
+ends a choice early (its workers get a CancelRequest). ``n > 1`` (streamed or not): n requests to the
 workers, sampled with seeds derived from the request's (``choice_seed``), so a seeded
 request gives the same n choices every time. A client that disconnects cancels the
 handler (aiohttp ``handler_cancellation``) and the requests are cancelled on the workers.
@@ -21,7 +21,7 @@ from aiohttp import web
 
 from services.router.choice import Choice, TextAssembler
 from services.router.dispatch import Dispatcher, InFlight
-from services.router.errors import ApiError, BadRequest, error_body, error_type_for
+from services.router.errors import ApiError, error_body, error_type_for
 from services.router.metrics import RouterMetrics
 from services.router.openai_api import GenerationRequest
 from services.router.streams import StreamEnd
@@ -156,8 +156,6 @@ class GenerationHandler:
         self, request: web.Request, req: GenerationRequest, max_tokens: int
     ) -> web.StreamResponse:
         """Serve ``req``. Raises ApiError (before any byte is sent) on failure."""
-        if req.n > 1 and req.stream:
-            raise BadRequest("'n' > 1 with 'stream' is not supported", param="n")
         seed = req.seed if req.seed is not None else secrets.randbits(SEED_BITS)
         if req.n > 1:
             req = dataclasses.replace(req, seed=seed)
@@ -171,7 +169,7 @@ class GenerationHandler:
                 self.metrics.prompt_tokens_total.inc(entry.prompt_len)
                 self.metrics.vllm.submitted()
             if req.stream:
-                return await self._stream(request, req, choices[0])
+                return await self._stream(request, req, choices)
             return await self._whole(req, choices)
         finally:
             for choice in choices:
@@ -242,46 +240,64 @@ class GenerationHandler:
         return web.json_response(body)
 
     async def _stream(
-        self, request: web.Request, req: GenerationRequest, choice: Choice
+        self, request: web.Request, req: GenerationRequest, choices: list[Choice]
     ) -> web.StreamResponse:
-        entry = choice.entry
+        """SSE: each choice's chunks as they come (``index`` tells them apart), then the
+        usage (if asked) and ``[DONE]``. A failed choice ends the stream with an error."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        base = self._base(req, entry, chunk=True)
+        base = self._base(req, choices[0].entry, chunk=True)
         usage_null = {"usage": None} if req.include_usage else {}
 
         async def send(payload: dict[str, Any]) -> None:
             await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
         if req.kind == "chat":
-            first = self._choice(req, choice, "", None, True, first=True)
-            await send({**base, "choices": [first], **usage_null})
-        while True:
-            pieces, end = await self._collect(choice)
-            delta = "".join(pieces)
-            if end is not None and end.failed:
-                if delta:
-                    part = self._choice(req, choice, delta, None, True)
-                    await send({**base, "choices": [part], **usage_null})
-                err = end_to_error(end)
-                await send(error_body(err.message, error_type_for(err.http_status), err.code))
-                break
-            if delta or end is not None:
-                finish = end.finish_reason if end is not None else None
-                payload = {
-                    **base,
-                    "choices": [self._choice(req, choice, delta, finish, True)],
-                    **usage_null,
-                }
-                if end is not None and req.timestamps:
-                    payload["fluidpd"] = self._extension(entry, choice.text)
-                await send(payload)
-            if end is not None:
+            for c in choices:
+                first = self._choice(req, c, "", None, True, first=True)
+                await send({**base, "choices": [first], **usage_null})
+        steps: asyncio.Queue[tuple[Choice, str, StreamEnd | None]] = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            while True:
+                pieces, end = await self._collect(c)
+                await steps.put((c, "".join(pieces), end))
+                if end is not None:
+                    return
+
+        pumps = [asyncio.ensure_future(pump(c)) for c in choices]
+        try:
+            open_choices = len(choices)
+            while open_choices:
+                c, delta, end = await steps.get()
+                if end is not None and end.failed:
+                    if delta:
+                        part = self._choice(req, c, delta, None, True)
+                        await send({**base, "choices": [part], **usage_null})
+                    err = end_to_error(end)
+                    await send(error_body(err.message, error_type_for(err.http_status), err.code))
+                    break
+                if delta or end is not None:
+                    finish = end.finish_reason if end is not None else None
+                    payload = {
+                        **base,
+                        "choices": [self._choice(req, c, delta, finish, True)],
+                        **usage_null,
+                    }
+                    if end is not None and req.timestamps:
+                        payload["fluidpd"] = self._extension(c.entry, c.text)
+                    await send(payload)
+                if end is not None:
+                    open_choices -= 1
+            else:
                 if req.include_usage:
-                    await send({**base, "choices": [], "usage": self._usage([choice])})
-                break
+                    await send({**base, "choices": [], "usage": self._usage(choices)})
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
         await response.write(SSE_DONE)
         await response.write_eof()
         return response

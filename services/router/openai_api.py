@@ -206,8 +206,6 @@ def parse_completion(body: Any, tokenizer: Tokenizer, model_name: str) -> Genera
         raise BadRequest("'top_logprobs' is a chat parameter; use 'logprobs'", param="top_logprobs")
     common["logprobs"] = _get_int(body, "logprobs", 0, MAX_LOGPROBS)
     common["echo"] = _get_bool(body, "echo")
-    if common["echo"] and common["stream"] and common["n"] > 1:
-        raise BadRequest("'echo' with 'stream' and n > 1 is not supported", param="echo")
     return _finish("completion", ids, max_tokens, common, body, vocab)
 
 
