@@ -288,3 +288,23 @@ async def test_vllm_named_metrics(cluster: Cluster) -> None:
     assert samples[("vllm:num_requests_running", tiny)] == 0
     assert samples[("vllm:num_requests_waiting", tiny)] == 0
     assert "fluidpd_router_ttft_seconds_count" in text  # ours stay
+
+
+async def test_lm_eval_style_loglikelihood_request(cluster: Cluster, want: Any) -> None:
+    """What lm-evaluation-harness sends for log-likelihood: token ids, max_tokens 1, echo,
+    logprobs 1 — the request ends at its first token (on the disaggregated path that is
+    P's token; D only reports the end)."""
+    ids = want["prompt_token_ids"]
+    for path, base in cluster.routers.items():
+        client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", timeout=60)
+        got = await client.completions.create(
+            model="tiny", prompt=[ids], max_tokens=1, temperature=0, logprobs=1, echo=True, seed=1
+        )
+        choice = got.choices[0]
+        assert choice.finish_reason == "length", path
+        lp = choice.logprobs
+        assert lp is not None and len(lp.token_logprobs) == len(ids) + 1
+        ctx = [lp.token_logprobs[i] for i in range(1, len(ids))]
+        refs = [r["logprob"] for r in want["prompt_logprobs"][1:]]
+        assert all(abs(a - b) < TOL for a, b in zip(ctx, refs, strict=True)), path
+        assert abs(lp.token_logprobs[-1] - want["logprobs"][0]["logprob"]) < TOL
