@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from shared.errors import InvalidRequestError
 
+MAX_LOGPROBS = 20  # top logprobs per position (OpenAI's bound, vLLM's default max_logprobs)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,6 +29,10 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    # Logprobs (shared/engine/logprobs.py): None = not asked; k >= 0 = the sampled token's
+    # logprob plus the k most likely (``prompt_logprobs``: the same for each prompt token).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -43,6 +49,10 @@ class SamplingParams:
             raise InvalidRequestError("seed must be in [0, 2**63)")
         if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
             raise InvalidRequestError("stop: at most 16 non-empty strings of at most 256 chars")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:

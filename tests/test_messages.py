@@ -42,6 +42,7 @@ from shared.messages import (
     SwitchReply,
     TokenBatch,
     TokenItem,
+    TokenLogprob,
     WorkerRecord,
     WorkerRow,
     WorkerTelemetry,
@@ -121,6 +122,7 @@ SAMPLES = {
         rng_offset=3,
     ),
     TokenItem: TokenItem(request_id="r1", token_ids=(5,), timestamps={"prefill_end_s": 1.5}),
+    TokenLogprob: TokenLogprob(logprob=-0.25, top_ids=(5, 9), top_logprobs=(-0.25, -1.5)),
     TokenBatch: TokenBatch(
         publisher_id="d0",
         epoch=1,
@@ -614,3 +616,34 @@ def test_subjects():
     assert s.pattern("fluidpd.controller.status") == "controller.status"
     assert s.pattern("other.worker.w3.switch") == "other"
     assert s.pattern("fluidpd.worker.w3.bogus") == "other"
+
+
+def test_pack_token_batches_splits_logprobs_with_their_tokens():
+    """Prompt logprobs (echo) of a long prompt travel in pieces that fit, in order, and
+    per-token logprobs stay with their tokens."""
+    lp = TokenLogprob(logprob=-1.0, top_ids=tuple(range(20)), top_logprobs=(-1.0,) * 20)
+    n_prompt = 3000
+    item = TokenItem(
+        request_id="e",
+        token_ids=(7,),
+        logprobs=(lp,),
+        prompt_logprobs_start=1,
+        prompt_logprobs=tuple(
+            TokenLogprob(logprob=-float(i), top_ids=(1,), top_logprobs=(-0.5,))
+            for i in range(n_prompt)
+        ),
+    )
+    batches = pack_token_batches(StreamSequencer("p0", epoch=1), "router.rt0", [item])
+    for batch in batches:
+        assert len(encode(batch)) <= MAX_MESSAGE_BYTES
+    flat = [i for b in batches for i in b.items]
+    got = {}
+    for piece in flat:
+        for j, plp in enumerate(piece.prompt_logprobs):
+            assert piece.prompt_logprobs_start + j not in got
+            got[piece.prompt_logprobs_start + j] = plp.logprob
+    assert got == {1 + i: -float(i) for i in range(n_prompt)}
+    assert [p.token_ids for p in flat if p.token_ids] == [(7,)]
+    assert [p.logprobs for p in flat if p.token_ids] == [(lp,)]
+    with pytest.raises(MessageError):
+        encode(TokenItem(request_id="x", token_ids=(1, 2), logprobs=(lp,)))

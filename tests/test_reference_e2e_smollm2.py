@@ -140,3 +140,31 @@ async def test_http_paths_match_fluidpd_generate(routers: dict[str, str]) -> Non
             assert "".join([c.choices[0].text async for c in stream2]) == want_text["text"], path
         finally:
             await api.close()
+
+
+@pytest.mark.parametrize("beta", [None, 0.5])
+async def test_logprobs_equal_engine_log_softmax(client: BusClient, beta: float | None) -> None:
+    """Greedy tokens' logprobs and the prompt logprobs (echo) from the workers equal
+    ``generate``'s log-softmax within 1e-4 — disaggregated (P scores the prompt and the
+    first token), split (P the prefix, D the suffix and the first token) and D alone."""
+    engine = Engine.load(EngineConfig(model="smollm2-135m", num_kv_blocks=64))
+    tok = engine.tokenizer
+    prompt = tok.encode("The capital of France is Paris, and the capital of Italy is")
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    want = generate(engine, [prompt], params)[0]
+    targets = [("p0", beta)] if beta is not None else [("p0", None), ("d0", None)]
+    for prefill_id, ratio in targets:
+        rid = await client.submit(
+            prefill_id, "d0", prompt, 4, steal_ratio=ratio, logprobs=3, prompt_logprobs=2
+        )
+        got = await client.result(rid, timeout_s=120)
+        await client.wait_until(lambda g=got: len(g.prompt_logprobs) == len(prompt) - 1, 30)
+        assert got.token_ids == want.token_ids
+        for mine, ref in zip(got.logprobs, want.logprobs, strict=True):
+            assert abs(mine.logprob - ref.logprob) < 1e-4
+            assert mine.top_ids[0] == ref.top_ids[0]
+            assert list(mine.top_logprobs) == sorted(mine.top_logprobs, reverse=True)
+        for pos in range(1, len(prompt)):
+            ref_p = want.prompt_logprobs[pos]
+            assert ref_p is not None
+            assert abs(got.prompt_logprobs[pos].logprob - ref_p.logprob) < 1e-4, (pos, ratio)

@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.router.app import Router
+from services.router.choice import TextAssembler
 from services.router.config import RouterConfig
 from services.router.errors import BadRequest, ModelNotFound
-from services.router.generate import TextAssembler
 from services.router.openai_api import (
     GenerationRequest,
     parse_chat,
@@ -250,8 +250,12 @@ BAD_COMPLETIONS = [
     ({"model": MODEL, "prompt": "hi", "max_tokens": True}, "max_tokens"),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, "temperature"),
     ({"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, "n"),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 2}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, "n"),
+    ({"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "logprobs": True}, "logprobs"),
+    ({"model": MODEL, "prompt": "hi", "top_logprobs": 2}, "top_logprobs"),
+    ({"model": MODEL, "prompt": "hi", "echo": 1}, "echo"),
     ({"model": MODEL, "prompt": "hi", "stop": 3}, "stop"),
     ({"model": MODEL, "prompt": "hi", "stream": "yes"}, "stream"),
     ({"model": MODEL, "prompt": "hi", "seed": 1.5}, "seed"),

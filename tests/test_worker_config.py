@@ -91,3 +91,30 @@ def test_no_cluster_secret_exits_2_with_one_line(
         assert main("decode", ["--id", "d1"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "FLUIDPD_CLUSTER_SECRET" in err[0], err
+
+
+def test_vllm_style_context_and_memory_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = config_from_args("decode", ["--id", "d1", "--max-model-len", "1024"])
+    assert cfg.max_model_len == 1024 and cfg.gpu_memory_utilization == 0.0
+    monkeypatch.setenv("FLUIDPD_MAX_MODEL_LEN", "512")
+    assert config_from_args("decode", ["--id", "d1"]).max_model_len == 512
+    cuda = config_from_args(
+        "decode", ["--id", "d1", "--device", "cuda", "--gpu-memory-utilization", "0.9"]
+    )
+    assert cuda.gpu_memory_utilization == 0.9
+
+
+@pytest.mark.parametrize(
+    ("argv", "why"),
+    [
+        (["--max-model-len", "-1"], "max_model_len must be >= 0"),
+        (["--gpu-memory-utilization", "0.9"], "needs the torch engine on a CUDA device"),
+        (["--device", "cuda", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+    ],
+)
+def test_bad_context_and_memory_flags_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], why: str
+) -> None:
+    assert main("decode", ["--id", "d1", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert why in err and len(err.splitlines()) == 1

@@ -31,6 +31,7 @@ from shared.messages import (
     SwitchCommand,
     SwitchReply,
     TokenBatch,
+    TokenLogprob,
     WorkerTelemetry,
 )
 from shared.messages.common import Role
@@ -52,6 +53,9 @@ class StreamRecord:
     finish_reason: str | None = None
     error: str | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
+    # Only when asked (submit's logprobs / prompt_logprobs): per token, per prompt position.
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -109,8 +113,12 @@ class BenchBusClient:
         now, wall = time.perf_counter(), time.time()
         for item in batch.items:
             st = self.streams.get(item.request_id)
+            if st is not None:  # P's prompt logprobs may come after D's last token
+                for offset, plp in enumerate(item.prompt_logprobs):
+                    st.prompt_logprobs.setdefault(item.prompt_logprobs_start + offset, plp)
             if st is None or st.finish_reason is not None:
                 continue
+            st.logprobs.extend(item.logprobs)
             for name, value in item.timestamps.items():
                 st.timestamps.setdefault(name, value)
             for offset, tok in enumerate(item.token_ids):
@@ -184,6 +192,8 @@ class BenchBusClient:
         ignore_eos: bool = True,
         steal_ratio: float | None = None,
         ttft_budget_s: float | None = None,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> str:
         """Send one request to ``prefill_id`` paired with ``decode_id`` (greedy and
         ignore_eos unless told); ``steal_ratio`` forces a FluidToken split of that share.
@@ -196,7 +206,12 @@ class BenchBusClient:
             router_id=self.router_id,
             prompt_token_ids=tuple(prompt),
             sampling=SamplingParams(
-                max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=ignore_eos
+                max_tokens=max_tokens,
+                temperature=temperature,
+                seed=seed,
+                ignore_eos=ignore_eos,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
             ),
             decode_worker_id=decode_id,
             arrival_time_s=now,

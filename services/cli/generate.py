@@ -30,6 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="cpu | cuda | cuda:N (env FLUIDPD_DEVICE); dtype follows it (bf16 on CUDA)",
     )
     p.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": ...}')
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --json: each output and prompt token's raw logprob and the top K (0..20)",
+    )
     return p
 
 
@@ -68,6 +75,8 @@ def _run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
+        prompt_logprobs=args.logprobs,
     )
     engine = Engine.load(
         EngineConfig(model=args.model, num_threads=args.threads, device=args.device)
@@ -81,11 +90,28 @@ def _run(args: argparse.Namespace) -> int:
     out = generate(engine, [prompt_ids], params)[0]
     token_ids, text_out, _ = apply_stop_strings(tok, out.token_ids, params.stop)
     if args.json:
-        print(
-            json.dumps(
-                {"token_ids": token_ids, "text": text_out, "finish_reason": out.finish_reason}
-            )
-        )
+        doc: dict[str, object] = {
+            "token_ids": token_ids,
+            "text": text_out,
+            "finish_reason": out.finish_reason,
+        }
+        if args.logprobs is not None:
+            doc["prompt_token_ids"] = prompt_ids
+            doc["logprobs"] = [_lp_json(lp) for lp in out.logprobs[: len(token_ids)]]
+            doc["prompt_logprobs"] = [_lp_json(lp) for lp in out.prompt_logprobs]
+        print(json.dumps(doc))
     else:
         print(text_out)
     return 0
+
+
+def _lp_json(lp: object) -> dict[str, object] | None:
+    """``{"logprob": x, "top": [[id, logprob], ...]}`` (None for the first prompt token)."""
+    from shared.engine.logprobs import Logprob
+
+    if not isinstance(lp, Logprob):
+        return None
+    return {
+        "logprob": lp.logprob,
+        "top": [list(t) for t in zip(lp.top_ids, lp.top_logprobs, strict=True)],
+    }

@@ -31,18 +31,17 @@ COMMON_FIELDS = frozenset(
         "stream_options",
         "fluidpd_timestamps",
         "user",  # an end-user id for the caller's own abuse tracking: changes no output
+        "n",
+        "best_of",
     }
 )
 SUPPORTED_FIELDS: dict[str, frozenset[str]] = {
-    "completion": COMMON_FIELDS | {"prompt"},
-    "chat": COMMON_FIELDS | {"messages", "max_completion_tokens"},
+    "completion": COMMON_FIELDS | {"prompt", "logprobs", "echo"},
+    "chat": COMMON_FIELDS | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"},
 }
 # Not implemented; accepted only at these values (compared with their JSON type).
 NEUTRAL_ONLY: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
-    "best_of": (1,),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
+    "top_logprobs": (0,),  # completions: ``logprobs`` is the count there
     "echo": (False,),
     "frequency_penalty": (0, 0.0),
     "presence_penalty": (0, 0.0),

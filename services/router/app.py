@@ -87,7 +87,7 @@ class Router(Service):
         self.cfg = cfg
         self.subjects = Subjects(cfg.subject_prefix)
         self.registry = CollectorRegistry()
-        self.metrics = RouterMetrics.create(self.registry)
+        self.metrics = RouterMetrics.create(self.registry, cfg.model_name)
         self.tokenizer = tokenizer
         self.policy = make_policy(
             cfg.pairing, cfg.telemetry_stale_s, ttft_s=cfg.ttft_slo_ms / 1000.0

@@ -196,7 +196,10 @@ class Dispatcher:
             seed=seed,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
+            logprobs=req.logprobs,
+            prompt_logprobs=req.logprobs if req.echo else None,
         )
+        echo_logprobs = req.echo and req.logprobs is not None
         short = 0 < len(req.prompt_token_ids) <= self.cfg.short_prompt_tokens
         exclude: frozenset[str] = frozenset()
         last_error: Exception | None = None
@@ -219,7 +222,7 @@ class Dispatcher:
                 request_id,
                 decode_id if short else prefill_id,
                 decode_id,
-                RequestStream(request_id),
+                RequestStream(request_id, len(req.prompt_token_ids) if echo_logprobs else 0),
                 arrival_s,
                 len(req.prompt_token_ids),
                 max_tokens,

@@ -1,15 +1,18 @@
 """Serving one generation request over HTTP: submit, assemble text, answer (JSON or SSE).
 
-Text: IncrementalDetokenizer (correct across multi-byte UTF-8) then StopMatcher (stop
-strings; the stop string is not returned and ends the request early: the workers get a
-CancelRequest). A client that disconnects cancels the handler (aiohttp
-``handler_cancellation``) and the request is cancelled on the workers.
+Each choice's text and logprobs are assembled by services/router/choice.py; a stop string
+ends a choice early (its workers get a CancelRequest). ``n > 1`` (streamed or not): n requests to the
+workers, sampled with seeds derived from the request's (``choice_seed``), so a seeded
+request gives the same n choices every time. A client that disconnects cancels the
+handler (aiohttp ``handler_cancellation``) and the requests are cancelled on the workers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import secrets
 import time
 from typing import Any
 
@@ -17,16 +20,26 @@ import structlog
 from aiohttp import web
 
 from services.router.admission import AdmissionGate
+from services.router.choice import Choice, TextAssembler
 from services.router.dispatch import Dispatcher, InFlight
 from services.router.errors import ApiError, error_body, error_type_for
 from services.router.metrics import RouterMetrics
 from services.router.openai_api import GenerationRequest
 from services.router.streams import StreamEnd
-from shared.stop_strings import StopMatcher
-from shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.tokenizer import Tokenizer
 
 log = structlog.get_logger("fluidpd.router")
 SSE_DONE = b"data: [DONE]\n\n"
+SEED_BITS = 62
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The sampling seed of choice ``index`` of a request seeded ``seed`` (choice 0 keeps
+    it, so n=1 samples as before). Pure."""
+    if index == 0:
+        return seed
+    return (seed ^ (index * _SEED_MIX)) & ((1 << SEED_BITS) - 1)
 
 
 def end_to_error(end: StreamEnd) -> ApiError:
@@ -50,35 +63,6 @@ def end_to_error(end: StreamEnd) -> ApiError:
         else None
     )
     return ApiError(message, code=code, http_status=503, retry_after_s=retry)
-
-
-class TextAssembler:
-    """Token ids → emitted text for one request. Mutates its own state only."""
-
-    def __init__(self, tokenizer: Tokenizer, req: GenerationRequest) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, list(req.prompt_token_ids))
-        self._stops = StopMatcher(req.stop)
-        self.num_tokens = 0
-        self.receive_times_s: list[float] = []
-
-    @property
-    def stopped(self) -> bool:
-        return self._stops.stopped
-
-    def push(self, token_ids: list[int], receive_times_s: list[float]) -> str:
-        out = []
-        for token, recv in zip(token_ids, receive_times_s, strict=True):
-            if self._stops.stopped:
-                break
-            self.num_tokens += 1
-            self.receive_times_s.append(recv)
-            out.append(self._stops.feed(self._detok.push(token)))
-        return "".join(out)
-
-    def finish(self) -> str:
-        if self._stops.stopped:
-            return ""
-        return self._stops.feed(self._detok.flush()) + self._stops.flush()
 
 
 class GenerationHandler:
@@ -132,31 +116,36 @@ class GenerationHandler:
     def _choice(
         self,
         req: GenerationRequest,
+        choice: Choice,
         text: str | None,
         finish: str | None,
         chunk: bool,
         first: bool = False,
     ) -> dict[str, Any]:
+        logprobs = choice.take_logprobs()
+        i = choice.index
         if req.kind == "completion":
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         if chunk:
             delta: dict[str, Any] = {"role": "assistant"} if first else {}
             if text is not None:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         return {
-            "index": 0,
+            "index": i,
             "message": {"role": "assistant", "content": text or ""},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish,
         }
 
     @staticmethod
-    def _usage(entry: InFlight, text: TextAssembler) -> dict[str, int]:
+    def _usage(choices: list[Choice]) -> dict[str, int]:
+        prompt = choices[0].entry.prompt_len
+        completion = sum(c.text.num_tokens for c in choices)
         return {
-            "prompt_tokens": entry.prompt_len,
-            "completion_tokens": text.num_tokens,
-            "total_tokens": entry.prompt_len + text.num_tokens,
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
         }
 
     @staticmethod
@@ -177,115 +166,153 @@ class GenerationHandler:
         """Serve ``req``. Raises ApiError (before any byte is sent) on failure: also
         Overloaded (503 + Retry-After) when the admission gate sheds it."""
         prompt_len = len(req.prompt_token_ids)
-        gated = self.gate is not None and prompt_len > self.short_prompt_tokens
-        if gated:
-            assert self.gate is not None
-            self.gate.check(prompt_len)  # before anything is sent or computed
-        entry = await self.dispatcher.submit(req, max_tokens)
-        if gated:
-            assert self.gate is not None
-            self.gate.note_sent(entry.prefill_id, prompt_len)
-        self.metrics.in_flight.inc()
-        self.metrics.prompt_tokens_total.inc(entry.prompt_len)
-        text = TextAssembler(self.tokenizer, req)
-        ended = False
+        gate = self.gate if prompt_len > self.short_prompt_tokens else None
+        if gate is not None:
+            gate.check(prompt_len)  # before anything is sent or computed
+        seed = req.seed if req.seed is not None else secrets.randbits(SEED_BITS)
+        if req.n > 1:
+            req = dataclasses.replace(req, seed=seed)
+        choices: list[Choice] = []
         try:
+            for i in range(req.n):
+                sub = dataclasses.replace(req, seed=choice_seed(seed, i)) if i else req
+                entry = await self.dispatcher.submit(sub, max_tokens)
+                if gate is not None:
+                    gate.note_sent(entry.prefill_id, prompt_len)
+                choices.append(Choice(self.tokenizer, sub, entry, i))
+                self.metrics.in_flight.inc()
+                self.metrics.prompt_tokens_total.inc(entry.prompt_len)
+                self.metrics.vllm.submitted()
             if req.stream:
-                response = await self._stream(request, req, entry, text)
-            else:
-                response = await self._whole(req, entry, text)
-            ended = True
-            return response
+                return await self._stream(request, req, choices)
+            return await self._whole(req, choices)
         finally:
-            if text.stopped or not entry.stream.finished:
-                reason = "stop_string" if text.stopped else "client_disconnected"
-                self.dispatcher.cancel_soon(entry, reason)
-            self.dispatcher.release(entry)
-            self.metrics.in_flight.dec()
-            self.metrics.completion_tokens_total.inc(text.num_tokens)
-            self.metrics.observe_tokens(entry.arrival_s, text.receive_times_s)
-            log.info(
-                "request_done",
-                request_id=entry.request_id,
-                ended=ended,
-                prompt_tokens=entry.prompt_len,
-                completion_tokens=text.num_tokens,
-            )
+            for choice in choices:
+                self._end(choice)
 
-    async def _collect(
-        self, entry: InFlight, text: TextAssembler
-    ) -> tuple[list[str], StreamEnd | None]:
+    def _end(self, choice: Choice) -> None:
+        entry, text = choice.entry, choice.text
+        if text.stopped or not entry.stream.finished:
+            reason = "stop_string" if text.stopped else "client_disconnected"
+            self.dispatcher.cancel_soon(entry, reason)
+        self.dispatcher.release(entry)
+        self.metrics.in_flight.dec()
+        self.metrics.completion_tokens_total.inc(text.num_tokens)
+        self.metrics.observe_tokens(entry.arrival_s, text.receive_times_s)
+        self.metrics.vllm.finished(
+            entry.arrival_s,
+            time.time(),
+            text.receive_times_s,
+            entry.prompt_len,
+            choice.finish_reason,
+        )
+        log.info(
+            "request_done",
+            request_id=entry.request_id,
+            finished=entry.stream.finished,
+            prompt_tokens=entry.prompt_len,
+            completion_tokens=text.num_tokens,
+        )
+
+    async def _collect(self, choice: Choice) -> tuple[list[str], StreamEnd | None]:
         """One step: new text pieces and the end (None while running)."""
-        chunk = await self._next(entry)
-        pieces = [text.push(chunk.token_ids, chunk.receive_times_s)]
-        if text.stopped:
-            return pieces, StreamEnd("stop")
-        if chunk.end is not None and not chunk.end.failed:
-            pieces.append(text.finish())
-        return pieces, chunk.end
+        chunk = await self._next(choice.entry)
+        before = choice.text.num_tokens
+        pieces = choice.feed(chunk)
+        if before == 0 and choice.text.num_tokens:
+            self.metrics.vllm.first_token()
+        end = StreamEnd("stop") if choice.text.stopped else chunk.end
+        if end is not None:
+            choice.finish_reason = end.finish_reason
+        if chunk.end is not None and not chunk.end.failed and not choice.text.stopped:
+            pieces.append(choice.text.finish())
+        return pieces, end
 
-    async def _whole(
-        self, req: GenerationRequest, entry: InFlight, text: TextAssembler
-    ) -> web.Response:
+    async def _gather(self, choice: Choice) -> tuple[str, StreamEnd]:
         parts: list[str] = []
         while True:
-            pieces, end = await self._collect(entry, text)
+            pieces, end = await self._collect(choice)
             parts.extend(pieces)
             if end is not None:
-                break
-        if end.failed:
-            raise end_to_error(end)
+                return "".join(parts), end
+
+    async def _whole(self, req: GenerationRequest, choices: list[Choice]) -> web.Response:
+        results = await asyncio.gather(*(self._gather(c) for c in choices))
+        for _, end in results:
+            if end.failed:
+                raise end_to_error(end)
+        entry = choices[0].entry
         body = {
             **self._base(req, entry, chunk=False),
-            "choices": [self._choice(req, "".join(parts), end.finish_reason, chunk=False)],
-            "usage": self._usage(entry, text),
+            "choices": [
+                self._choice(req, c, text, end.finish_reason, chunk=False)
+                for c, (text, end) in zip(choices, results, strict=True)
+            ],
+            "usage": self._usage(choices),
         }
         if req.timestamps:
-            body["fluidpd"] = self._extension(entry, text)
+            body["fluidpd"] = self._extension(entry, choices[0].text)
         return web.json_response(body)
 
     async def _stream(
-        self, request: web.Request, req: GenerationRequest, entry: InFlight, text: TextAssembler
+        self, request: web.Request, req: GenerationRequest, choices: list[Choice]
     ) -> web.StreamResponse:
+        """SSE: each choice's chunks as they come (``index`` tells them apart), then the
+        usage (if asked) and ``[DONE]``. A failed choice ends the stream with an error."""
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         await response.prepare(request)
-        base = self._base(req, entry, chunk=True)
+        base = self._base(req, choices[0].entry, chunk=True)
         usage_null = {"usage": None} if req.include_usage else {}
 
         async def send(payload: dict[str, Any]) -> None:
             await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
         if req.kind == "chat":
-            await send(
-                {**base, "choices": [self._choice(req, "", None, True, first=True)], **usage_null}
-            )
-        while True:
-            pieces, end = await self._collect(entry, text)
-            delta = "".join(pieces)
-            if end is not None and end.failed:
-                if delta:
-                    await send(
-                        {**base, "choices": [self._choice(req, delta, None, True)], **usage_null}
-                    )
-                err = end_to_error(end)
-                await send(error_body(err.message, error_type_for(err.http_status), err.code))
-                break
-            if delta or end is not None:
-                finish = end.finish_reason if end is not None else None
-                payload = {
-                    **base,
-                    "choices": [self._choice(req, delta, finish, True)],
-                    **usage_null,
-                }
-                if end is not None and req.timestamps:
-                    payload["fluidpd"] = self._extension(entry, text)
-                await send(payload)
-            if end is not None:
+            for c in choices:
+                first = self._choice(req, c, "", None, True, first=True)
+                await send({**base, "choices": [first], **usage_null})
+        steps: asyncio.Queue[tuple[Choice, str, StreamEnd | None]] = asyncio.Queue()
+
+        async def pump(c: Choice) -> None:
+            while True:
+                pieces, end = await self._collect(c)
+                await steps.put((c, "".join(pieces), end))
+                if end is not None:
+                    return
+
+        pumps = [asyncio.ensure_future(pump(c)) for c in choices]
+        try:
+            open_choices = len(choices)
+            while open_choices:
+                c, delta, end = await steps.get()
+                if end is not None and end.failed:
+                    if delta:
+                        part = self._choice(req, c, delta, None, True)
+                        await send({**base, "choices": [part], **usage_null})
+                    err = end_to_error(end)
+                    await send(error_body(err.message, error_type_for(err.http_status), err.code))
+                    break
+                if delta or end is not None:
+                    finish = end.finish_reason if end is not None else None
+                    payload = {
+                        **base,
+                        "choices": [self._choice(req, c, delta, finish, True)],
+                        **usage_null,
+                    }
+                    if end is not None and req.timestamps:
+                        payload["fluidpd"] = self._extension(c.entry, c.text)
+                    await send(payload)
+                if end is not None:
+                    open_choices -= 1
+            else:
                 if req.include_usage:
-                    await send({**base, "choices": [], "usage": self._usage(entry, text)})
-                break
+                    await send({**base, "choices": [], "usage": self._usage(choices)})
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
         await response.write(SSE_DONE)
         await response.write_eof()
         return response

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.router.vllm_metrics import VllmMetrics
+
 _TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
 _TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -28,12 +30,14 @@ class RouterMetrics:
     submit_retries_total: Counter
     foreign_token_items_total: Counter
     unauthorized_total: Counter
+    vllm: VllmMetrics  # the same observations under vLLM's names (vllm_metrics.py)
 
     @classmethod
-    def create(cls, registry: CollectorRegistry) -> RouterMetrics:
+    def create(cls, registry: CollectorRegistry, model_name: str = "") -> RouterMetrics:
         """Register the router metrics in ``registry`` (mutates it; once per registry)."""
         p = "fluidpd_router_"
         return cls(
+            vllm=VllmMetrics.create(registry, model_name),
             requests_total=Counter(
                 p + "requests_total",
                 "HTTP requests by endpoint and status",

@@ -18,6 +18,8 @@ from shared.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16
 MAX_SEED = 2**63 - 1
+MAX_N = 16  # choices per request (n, best_of)
+MAX_LOGPROBS = 20  # top logprobs per position (OpenAI's bound; vLLM's default max_logprobs)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -39,6 +41,12 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     timestamps: bool = False  # extension: per-token receive times in the final chunk
+    # Logprobs (services/router/logprobs.py): None = not asked, k = the token's logprob
+    # and its k most likely alternatives. ``echo`` (completions): the prompt is returned
+    # before the completion, with prompt logprobs when ``logprobs`` is set.
+    logprobs: int | None = None
+    echo: bool = False
+    n: int = 1  # choices, each sampled with its own seed derived from ``seed``
 
 
 def _is_int(value: Any) -> bool:
@@ -121,6 +129,11 @@ def _common(body: Any, model_name: str, kind: Literal["completion", "chat"]) -> 
             f"the model '{model}' does not exist; this server serves '{model_name}'", param="model"
         )
     check_fields(body, kind)  # anything we do not implement: 400, never ignored
+    n = _get_int(body, "n", 1, MAX_N) or 1
+    best_of = _get_int(body, "best_of", 1, MAX_N)
+    if best_of not in (None, n):
+        # best_of > n needs a ranking of whole samples by cumulative logprob: not built.
+        raise BadRequest("'best_of' must equal 'n' (or be omitted)", param="best_of")
     stream_options = body.get("stream_options")
     include_usage = False
     if stream_options is not None:
@@ -137,6 +150,7 @@ def _common(body: Any, model_name: str, kind: Literal["completion", "chat"]) -> 
         "stream": _get_bool(body, "stream"),
         "include_usage": include_usage,
         "timestamps": _get_bool(body, "fluidpd_timestamps"),
+        "n": n,
     }
 
 
@@ -187,6 +201,10 @@ def parse_completion(body: Any, tokenizer: Tokenizer, model_name: str) -> Genera
     max_tokens = _get_int(body, "max_tokens", 1, 1 << 30)
     if body.get("max_tokens") is None:
         max_tokens = 16  # OpenAI's default for completions
+    if body.get("top_logprobs") is not None:
+        raise BadRequest("'top_logprobs' is a chat parameter; use 'logprobs'", param="top_logprobs")
+    common["logprobs"] = _get_int(body, "logprobs", 0, MAX_LOGPROBS)
+    common["echo"] = _get_bool(body, "echo")
     return _finish("completion", ids, max_tokens, common, body, vocab)
 
 
@@ -232,6 +250,13 @@ def parse_chat(body: Any, tokenizer: Tokenizer, model_name: str) -> GenerationRe
     except FluidPDError as exc:
         raise BadRequest(str(exc), param="messages") from None
     ids = tuple(tokenizer.encode(text))
+    if body.get("echo") not in (None, False):
+        raise BadRequest("'echo' is a completions parameter", param="echo")
+    top = _get_int(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if _get_bool(body, "logprobs"):
+        common["logprobs"] = top or 0
+    elif top is not None:
+        raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     max_tokens = _get_int(body, "max_completion_tokens", 1, 1 << 30)
     if max_tokens is None:
         max_tokens = _get_int(body, "max_tokens", 1, 1 << 30)

@@ -13,7 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from shared.messages import TokenItem
+from shared.messages import TokenItem, TokenLogprob
 
 ABORT_REASONS = ("error", "cancelled")
 
@@ -39,16 +39,24 @@ class StreamChunk:
     token_ids: list[int] = field(default_factory=list)
     receive_times_s: list[float] = field(default_factory=list)
     end: StreamEnd | None = None
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per token
 
 
 class RequestStream:
     """Reassembles one request's output. Event loop only; not thread-safe.
 
     ``offer``/``fail`` are called from bus callbacks; one consumer awaits ``next``.
+    With ``prompt_len`` > 0 (echo with logprobs) nothing is released until the logprobs
+    of prompt tokens 1..prompt_len-1 are all in (``prompt_logprobs``); they come from P
+    and, on a split, D, in any order.
     """
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, prompt_len: int = 0) -> None:
         self.request_id = request_id
+        self.prompt_logprobs: dict[int, TokenLogprob] = {}  # prompt position -> logprob
+        self._prompt_len = prompt_len
+        self._missing_prompt = max(0, prompt_len - 1)
+        self._lp_by_pos: dict[int, TokenLogprob] = {}
         self.timestamps: dict[str, float] = {}  # named instants reported by workers
         self._by_pos: dict[int, tuple[int, float]] = {}  # position -> (token, receive time)
         self._next_pos = 0  # first position not yet released to the consumer
@@ -76,11 +84,19 @@ class RequestStream:
         now = time.time() if now_s is None else now_s
         for name, value in item.timestamps.items():
             self.timestamps.setdefault(name, value)
+        for offset, plp in enumerate(item.prompt_logprobs):
+            ppos = item.prompt_logprobs_start + offset
+            fresh = 0 < ppos < self._prompt_len and ppos not in self.prompt_logprobs
+            if fresh and self._missing_prompt:
+                self.prompt_logprobs[ppos] = plp
+                self._missing_prompt -= 1
         for offset, token in enumerate(item.token_ids):
             pos = item.index + offset
             fresh = pos >= self._next_pos and pos not in self._by_pos
             if fresh and (self._end_pos is None or pos < self._end_pos):
                 self._by_pos[pos] = (token, now)
+                if item.logprobs:
+                    self._lp_by_pos[pos] = item.logprobs[offset]
         if item.finish_reason is not None:
             end = StreamEnd(item.finish_reason, item.error, item.error_code)
             if end.failed:
@@ -100,6 +116,8 @@ class RequestStream:
             self._wakeup.set()
 
     def _advance(self) -> None:
+        if self._missing_prompt:
+            return  # echo: the prompt's logprobs go out first, whole
         while self._next_pos in self._by_pos:
             self._next_pos += 1
         if self._end is None and self._end_pos is not None and self._next_pos >= self._end_pos:
@@ -111,6 +129,7 @@ class RequestStream:
             token, recv = self._by_pos.pop(pos)
             chunk.token_ids.append(token)
             chunk.receive_times_s.append(recv)
+            chunk.logprobs.append(self._lp_by_pos.pop(pos, None))
         self._released = self._next_pos
         if self._end is not None:
             chunk.end = self._end

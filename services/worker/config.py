@@ -39,6 +39,8 @@ class WorkerConfig:
     block_size: int = 16
     num_kv_blocks: int = 0
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    gpu_memory_utilization: float = 0.0  # > 0: KV arena from this device-memory fraction
+    max_model_len: int = 0  # 0: the model's (emulated: the profile's) context limit
     kv_zero_on_free: bool = False
     emulated_kv_bytes_per_token: int = 16
     time_scale: float = 1.0
@@ -88,6 +90,18 @@ class WorkerConfig:
             raise ValueError("expire_margin_s must be a finite number of seconds (< 0: off)")
         if self.decode_reserve_tokens < 0:
             raise ValueError("decode_reserve_tokens must be >= 0")
+        if self.max_model_len < 0:
+            raise ValueError(f"max_model_len must be >= 0, got {self.max_model_len}")
+        if not 0.0 <= self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.gpu_memory_utilization > 0 and (
+            self.engine != "torch" or not self.device.startswith("cuda")
+        ):
+            raise ValueError(
+                "gpu_memory_utilization needs the torch engine on a CUDA device; use --kv-cache-mib"
+            )
         for name in (
             "heartbeat_s",
             "telemetry_interval_s",

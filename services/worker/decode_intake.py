@@ -249,6 +249,16 @@ class DecodeIntake:
                 seq, seq.output_token_ids[-1], self.engine.eos_token_ids, self.engine.max_model_len
             )
             if seq.finished:
+                # P's token (already sent) ends the request (max_tokens 1, EOS, a stop
+                # token): only the end goes to the router, right after that token.
+                self.streamer.add(
+                    req.tokens_subject,
+                    TokenItem(
+                        request_id=req.request_id,
+                        index=len(seq.output_token_ids),
+                        finish_reason=seq.finish_reason,
+                    ),
+                )
                 self._finish(req)
                 self._publish()
                 return

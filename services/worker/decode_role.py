@@ -36,9 +36,10 @@ import structlog
 
 from services.worker.decode_intake import DecodeIntake, DecodeRequest
 from services.worker.decode_waiting import WaitingAdmissions
-from services.worker.token_stream import TokenStreamer
+from services.worker.token_stream import TokenStreamer, wire_logprobs
 from shared.engine.batch import StepInput
 from shared.engine.engine import SampleSpec
+from shared.engine.logprobs import PromptLogprobsSpec, StepOutput, prompt_spec
 from shared.engine.sequence import finish_reason_after
 from shared.errors import NoFreeBlocksError
 from shared.messages import TokenItem
@@ -172,9 +173,17 @@ class DecodeRole(DecodeIntake):
             self.bm.free_sequence(req.request_id)
 
     # ----------------------------------------------------------------------- loop
-    def _plan(self) -> tuple[list[StepInput], list[SampleSpec | None], list[DecodeRequest]]:
+    def _plan(
+        self,
+    ) -> tuple[
+        list[StepInput],
+        list[SampleSpec | None],
+        list[PromptLogprobsSpec | None],
+        list[DecodeRequest],
+    ]:
         steps: list[StepInput] = []
         specs: list[SampleSpec | None] = []
+        pspecs: list[PromptLogprobsSpec | None] = []
         reqs: list[DecodeRequest] = []
         stalled: list[DecodeRequest] = []
         # Prompt-chunk tokens (stolen suffixes, local prompts) this iteration may carry: the
@@ -209,6 +218,15 @@ class DecodeRole(DecodeIntake):
             specs.append(
                 SampleSpec(seq.params, len(seq.output_token_ids), seq.seed) if done else None
             )
+            # Prompt rows computed here (a suffix, a local prompt) are scored here.
+            pspecs.append(
+                prompt_spec(
+                    seq.prompt_token_ids,
+                    seq.num_cached_tokens,
+                    len(chunk),
+                    seq.params.prompt_logprobs,
+                )
+            )
             reqs.append(req)
         if stalled and not steps:
             # Every runnable request needs a block and none is free: the pool cannot make
@@ -227,7 +245,7 @@ class DecodeRole(DecodeIntake):
             # Its blocks are free now: plan again at once. (Returning nothing would let the
             # loop clear its wake-up and sleep with runnable requests: a hang.)
             return self._plan()
-        return steps, specs, reqs
+        return steps, specs, pspecs, reqs
 
     def _ensure_room(self, req: DecodeRequest, num_tokens: int) -> bool:
         """Grow ``req``'s block table to hold ``num_tokens``; False if the pool is short."""
@@ -244,14 +262,16 @@ class DecodeRole(DecodeIntake):
         loop = asyncio.get_running_loop()
         while True:
             await self.wakeup.wait()
-            steps, specs, reqs = self._plan()
+            steps, specs, pspecs, reqs = self._plan()
             if not steps:
                 self.wakeup.clear()
                 continue
             self._in_step = {r.request_id for r in reqs}
             started = time.perf_counter()
             try:
-                tokens = await loop.run_in_executor(self.executor, self.engine.step, steps, specs)
+                out = await loop.run_in_executor(
+                    self.executor, self.engine.step_full, steps, specs, pspecs
+                )
             except Exception as exc:
                 self._in_step = set()
                 self._fail_all(exc, len(reqs))
@@ -269,7 +289,7 @@ class DecodeRole(DecodeIntake):
                 sum(s.num_new_tokens for s in steps if s.num_new_tokens > 1),
                 self.last_step_s,
             )
-            self._commit(steps, tokens, reqs)
+            self._commit(steps, out, pspecs, reqs)
             self._publish()
             self.step_done.set()
             self.step_done.clear()
@@ -305,17 +325,33 @@ class DecodeRole(DecodeIntake):
         self.on_engine_failure(exc)
 
     def _commit(
-        self, steps: list[StepInput], tokens: list[int | None], reqs: list[DecodeRequest]
+        self,
+        steps: list[StepInput],
+        out: StepOutput,
+        pspecs: list[PromptLogprobsSpec | None],
+        reqs: list[DecodeRequest],
     ) -> None:
         now = time.time()
-        for step, tok, req in zip(steps, tokens, reqs, strict=True):
+        for i, (step, tok, req) in enumerate(zip(steps, out.tokens, reqs, strict=True)):
             seq = req.seq
+            start_pos = seq.num_cached_tokens
             seq.num_cached_tokens = step.context_len
             if req.request_id in self._doomed:
                 self._doomed.discard(req.request_id)
                 self._finish(req)
                 continue
+            prompt_lps = wire_logprobs(out.prompt_logprobs[i]) if pspecs[i] is not None else ()
             if tok is None:
+                if prompt_lps:  # a mid-prompt chunk: its prompt logprobs go now
+                    self.streamer.add(
+                        req.tokens_subject,
+                        TokenItem(
+                            request_id=req.request_id,
+                            index=len(seq.output_token_ids),
+                            prompt_logprobs_start=start_pos + 1,
+                            prompt_logprobs=prompt_lps,
+                        ),
+                    )
                 continue
             if step.num_new_tokens > 1 and req.stolen_tokens:
                 self.stolen_tokens_total += req.stolen_tokens
@@ -335,6 +371,9 @@ class DecodeRole(DecodeIntake):
                     token_ids=(tok,),
                     finish_reason=seq.finish_reason,
                     timestamps=stamps,
+                    logprobs=wire_logprobs((out.logprobs[i],)),
+                    prompt_logprobs_start=start_pos + 1 if prompt_lps else 0,
+                    prompt_logprobs=prompt_lps,
                 ),
             )
             if seq.finished:

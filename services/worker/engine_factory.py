@@ -23,6 +23,7 @@ def build_engine(cfg: WorkerConfig) -> Any:
                 max_num_seqs=cfg.max_num_seqs,
                 kv_zero_on_free=cfg.kv_zero_on_free,
                 time_scale=cfg.time_scale,
+                max_model_len=cfg.max_model_len,
             )
         )
     from shared.engine.config import EngineConfig
@@ -34,6 +35,8 @@ def build_engine(cfg: WorkerConfig) -> Any:
             block_size=cfg.block_size,
             num_kv_blocks=cfg.num_kv_blocks,
             kv_cache_bytes=cfg.kv_cache_bytes,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            max_model_len=cfg.max_model_len,
             device=cfg.device,
             dtype=cfg.dtype,
             max_num_seqs=cfg.max_num_seqs,

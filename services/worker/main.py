@@ -52,6 +52,20 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         help="KV arena size when --num-kv-blocks is 0",
     )
     p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=float(env("FLUIDPD_GPU_MEMORY_UTILIZATION", "0")),
+        help="vLLM's flag: size the KV arena so this process uses at most this fraction of "
+        "the CUDA device's memory (instead of --kv-cache-mib; 0: off)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=int(env("FLUIDPD_MAX_MODEL_LEN", "0")),
+        help="context limit in tokens (prompt + output; 0: the model's own); "
+        "routers read it from the registry and /v1/models reports it",
+    )
+    p.add_argument(
         "--decode-reserve-tokens",
         type=int,
         default=int(env("FLUIDPD_DECODE_RESERVE_TOKENS", "256")),
@@ -147,6 +161,8 @@ def config_from_args(role: str, argv: list[str] | None) -> WorkerConfig:
         log_json=a.log_json,
         metrics_port=a.metrics_port,
         kv_cache_bytes=a.kv_cache_mib * 1024 * 1024,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        max_model_len=a.max_model_len,
         device=a.device,
         dtype=a.dtype,
         decode_reserve_tokens=a.decode_reserve_tokens,

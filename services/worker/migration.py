@@ -56,6 +56,9 @@ def _message(rt: WorkerRuntime, req: DecodeRequest) -> MigrateRequest:
             seed=seq.seed,
             stop_token_ids=tuple(p.stop_token_ids),
             ignore_eos=p.ignore_eos,
+            # The peer scores only the prompt rows it still computes; sent ones stay sent.
+            logprobs=p.logprobs,
+            prompt_logprobs=p.prompt_logprobs,
         ),
         rng_offset=len(seq.output_token_ids),
     )

@@ -15,4 +15,6 @@ def engine_params(wire: messages.SamplingParams) -> SamplingParams:
         seed=wire.seed,
         stop_token_ids=tuple(wire.stop_token_ids),
         ignore_eos=wire.ignore_eos,
+        logprobs=wire.logprobs,
+        prompt_logprobs=wire.prompt_logprobs,
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.messages import PrefillRequest
+from shared.messages import PrefillRequest, TokenLogprob
 
 
 @dataclass(eq=False)
@@ -16,6 +16,9 @@ class PrefillJob:
     arrival_s: float = 0.0  # our monotonic clock: when the router received the request
     cancelled: bool = False
     timestamps: dict[str, float] = field(default_factory=dict)
+    # Set by the prefill step when the request asks for logprobs (sent with the first token).
+    first_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def request_id(self) -> str:

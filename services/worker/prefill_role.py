@@ -36,11 +36,12 @@ from services.worker.admission import DecodeAdmission
 from services.worker.params import engine_params
 from services.worker.prefill_handoff import PrefillHandoff
 from services.worker.prefill_job import PrefillJob
-from services.worker.token_stream import TokenStreamer
+from services.worker.token_stream import TokenStreamer, wire_logprobs
 from shared.aio import resolve
 from shared.bus import Bus
 from shared.engine.batch import StepInput
 from shared.engine.engine import SampleSpec
+from shared.engine.logprobs import StepOutput, prompt_spec
 from shared.messages import (
     AdmitReply,
     PrefillRequest,
@@ -306,21 +307,27 @@ class PrefillRole(PrefillHandoff):
         msg = job.msg
         step = StepInput(seq_id, msg.prompt_token_ids[:prefix_len], 0, self.bm.block_table(seq_id))
         spec = SampleSpec(engine_params(msg.sampling), 0, job.seed) if sample else None
+        # Prompt logprobs of the rows computed here: tokens 1..prefix_len (the last one is
+        # the first suffix token on a split; the decode worker scores the rest).
+        pspec = prompt_spec(msg.prompt_token_ids, 0, prefix_len, msg.sampling.prompt_logprobs)
         job.timestamps["prefill_start_s"] = time.time()
         t0 = time.perf_counter()
         loop = asyncio.get_running_loop()
 
-        def run_step() -> list[int | None]:
+        def run_step() -> StepOutput:
             if started is not None:
                 loop.call_soon_threadsafe(resolve, started, None)
-            result: list[int | None] = self.engine.step([step], [spec])
+            result: StepOutput = self.engine.step_full([step], [spec], [pspec])
             return result
 
         try:
-            (first,) = await loop.run_in_executor(self.executor, run_step)
+            out = await loop.run_in_executor(self.executor, run_step)
         except BaseException:
             self.bm.free_sequence(seq_id)
             raise
+        first = out.tokens[0]
+        job.first_logprobs = wire_logprobs(out.logprobs)
+        job.prompt_logprobs = wire_logprobs(out.prompt_logprobs[0])
         self.last_step_s = time.perf_counter() - t0
         job.timestamps["prefill_end_s"] = time.time()
         self.last_prefill_tokens = prefix_len
@@ -333,18 +340,22 @@ class PrefillRole(PrefillHandoff):
         return first
 
     async def _stream_first(self, job: PrefillJob, first: int | None) -> None:
-        """Send the first token to the router now (TTFT); nothing when D samples it.
-        Returns once it is on its way: the export that follows takes this loop for a
-        while (measured: the token waited behind it, +0.3 ms TTFT at p50)."""
-        if first is None:
+        """Send the first token to the router now (TTFT); when D samples it, only the
+        prompt logprobs computed here (if asked). Returns once it is on its way: the export
+        that follows takes this loop for a while (measured: the token waited behind it,
+        +0.3 ms TTFT at p50)."""
+        if first is None and not job.prompt_logprobs:
             return
         self.streamer.add(
             job.msg.tokens_subject,
             TokenItem(
                 request_id=job.request_id,
                 index=0,
-                token_ids=(first,),
-                timestamps=dict(job.timestamps),
+                token_ids=(first,) if first is not None else (),
+                timestamps=dict(job.timestamps) if first is not None else {},
+                logprobs=job.first_logprobs if first is not None else (),
+                prompt_logprobs_start=1 if job.prompt_logprobs else 0,
+                prompt_logprobs=job.prompt_logprobs,
             ),
         )
         await self._flush_now()

@@ -7,8 +7,19 @@ message rate is then (iterations × routers), independent of the number of strea
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
-from shared.messages import StreamSequencer, TokenItem, pack_token_batches
+from shared.engine.logprobs import Logprob
+from shared.messages import StreamSequencer, TokenItem, TokenLogprob, pack_token_batches
+
+
+def wire_logprobs(lps: Iterable[Logprob | None]) -> tuple[TokenLogprob, ...]:
+    """Engine logprobs -> their wire form (None entries are dropped: not asked)."""
+    return tuple(
+        TokenLogprob(logprob=lp.logprob, top_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+        for lp in lps
+        if lp is not None
+    )
 
 
 class TokenStreamer:

@@ -95,6 +95,9 @@ class EngineConfig:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     max_num_seqs: int = 64
     max_model_len: int = 0  # 0: the model's own limit
+    # > 0: size the KV arena so that the process uses at most this fraction of the CUDA
+    # device's memory (vLLM's flag); overrides kv_cache_bytes (num_kv_blocks overrides both).
+    gpu_memory_utilization: float = 0.0
     num_threads: int = 0  # 0: leave torch's default
     kv_zero_on_free: bool = False
     attention_backend: str = "auto"  # auto | torch | flashinfer
@@ -119,6 +122,12 @@ class EngineConfig:
             )
         if self.num_threads < 0 or self.max_model_len < 0:
             raise ValueError("num_threads and max_model_len must be >= 0")
+        if not 0.0 <= self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.gpu_memory_utilization > 0 and not self.device.startswith("cuda"):
+            raise ValueError("gpu_memory_utilization needs a CUDA device (use kv_cache_mib)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -24,6 +24,7 @@ from shared.engine.batch import StepInput
 from shared.engine.block_manager import BlockManager
 from shared.engine.engine import SampleSpec
 from shared.engine.kv_arena import KVArena
+from shared.engine.logprobs import Logprob, PromptLogprobsSpec, StepOutput
 from shared.errors import ContextLengthError
 from shared.policy.predictors import LatencyProfile
 
@@ -43,8 +44,11 @@ class EmulatedConfig:
     max_num_seqs: int = 256
     kv_zero_on_free: bool = False
     time_scale: float = 1.0  # < 1 runs faster than real time (benchmarks compress time)
+    max_model_len: int = 0  # 0: the profile's context limit
 
     def __post_init__(self) -> None:
+        if self.max_model_len < 0:
+            raise ValueError("max_model_len must be >= 0")
         if self.block_size <= 0 or self.kv_bytes_per_token <= 0 or self.kv_bytes_per_token % 4:
             raise ValueError("block_size > 0 and kv_bytes_per_token a positive multiple of 4")
         if self.num_kv_blocks < 0 or self.max_num_seqs <= 0 or self.time_scale <= 0:
@@ -65,7 +69,9 @@ class EmulatedEngine:
         self.profile = profile
         self.tokenizer = tokenizer
         self.model_name = cfg.model
-        self.max_model_len = profile.max_context_tokens
+        self.max_model_len = min(
+            cfg.max_model_len or profile.max_context_tokens, profile.max_context_tokens
+        )
         num_blocks = cfg.num_kv_blocks or max(1, profile.kv_capacity_tokens // cfg.block_size)
         # One "layer" of one "head" whose width carries the scaled-down bytes per token.
         self.arena = KVArena(num_blocks, 1, 1, cfg.kv_bytes_per_token // 8, cfg.block_size)
@@ -100,6 +106,28 @@ class EmulatedEngine:
             else:
                 total += p.suffix_time_s(s.num_new_tokens, s.start_pos)
         return total * self.cfg.time_scale
+
+    def step_full(
+        self,
+        steps: Seq[StepInput],
+        specs: Seq[SampleSpec | None],
+        prompt_specs: Seq[PromptLogprobsSpec | None] | None = None,
+    ) -> StepOutput:
+        """``step`` with logprobs of the emulated model: its next token is a pure function
+        of the context, a point mass, so a sampled token has logprob 0 and is its own top-1.
+        Prompt tokens get -9999 (vLLM's clamp of -inf): it does not score text it did not
+        pick. For benchmarks of the wire cost, not for values."""
+        out = StepOutput.empty(len(steps))
+        out.tokens = self.step(steps, specs)
+        for i, spec in enumerate(specs):
+            tok = out.tokens[i]
+            if spec is not None and tok is not None and spec.params.logprobs is not None:
+                top = (tok,) if spec.params.logprobs > 0 else ()
+                out.logprobs[i] = Logprob(0.0, top, (0.0,) * len(top))
+        for i, pspec in enumerate(prompt_specs or ()):
+            if pspec is not None:
+                out.prompt_logprobs[i] = [Logprob(-9999.0) for _ in pspec.targets]
+        return out
 
     def step(self, steps: Seq[StepInput], specs: Seq[SampleSpec | None]) -> list[int | None]:
         """Sleep the predicted time, write deterministic KV bytes, return pseudo tokens."""

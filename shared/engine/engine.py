@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +22,8 @@ from shared.engine.batch import StepInput, build_batch
 from shared.engine.block_manager import BlockManager
 from shared.engine.config import EngineConfig, ModelConfig
 from shared.engine.kv_arena import KVArena
+from shared.engine.logprobs import PromptLogprobsSpec, StepOutput, score_rows
+from shared.engine.memory import kv_budget_bytes
 from shared.engine.model import LlamaModel
 from shared.engine.sampler import sample
 from shared.errors import ContextLengthError
@@ -72,7 +74,10 @@ class Engine:
             linear_kernel=str(dict(cfg.extra).get("linear_kernel", "auto")),
         )
         block_bytes = cfg.block_size * mc.kv_bytes_per_token(cfg.torch_dtype)
-        num_blocks = cfg.num_kv_blocks or max(1, cfg.kv_cache_bytes // block_bytes)
+        kv_bytes = cfg.kv_cache_bytes
+        if cfg.gpu_memory_utilization > 0 and not cfg.num_kv_blocks:
+            kv_bytes = kv_budget_bytes(self.device, cfg.gpu_memory_utilization)
+        num_blocks = cfg.num_kv_blocks or max(1, kv_bytes // block_bytes)
         self.arena = KVArena(
             num_blocks,
             mc.num_layers,
@@ -127,20 +132,77 @@ class Engine:
 
         This is the one call schedulers make (torch and emulated engines alike).
         """
-        logits = self.forward(steps)
-        rows = [i for i, spec in enumerate(specs) if spec is not None]
-        out: list[int | None] = [None] * len(steps)
-        if rows:
-            chosen = [specs[i] for i in rows]
+        return self.step_full(steps, specs).tokens
+
+    def step_full(
+        self,
+        steps: Seq[StepInput],
+        specs: Seq[SampleSpec | None],
+        prompt_specs: Seq[PromptLogprobsSpec | None] | None = None,
+    ) -> StepOutput:
+        """``step`` plus logprobs: of each sampled token whose params ask for them, and of
+        the prompt tokens named by ``prompt_specs[i]`` (rows of step i, see
+        PromptLogprobsSpec). Raises ValueError if a prompt spec has more targets than its
+        step has new tokens."""
+        prompt_specs = prompt_specs or [None] * len(steps)
+        # Logit rows: every scored prompt row of a step, then its last (sampling) row.
+        rows_of: list[tuple[int, int]] = []  # per step: (first prompt row, sampling row)
+        wanted: list[int] = []
+        q = 0
+        for step, pspec in zip(steps, prompt_specs, strict=True):
+            n_prompt = len(pspec.targets) if pspec is not None else 0
+            if n_prompt > step.num_new_tokens:
+                raise ValueError(f"{step.seq_id}: more prompt targets than new tokens")
+            first = len(wanted)
+            wanted.extend(range(q, q + min(n_prompt, step.num_new_tokens - 1)))
+            rows_of.append((first, len(wanted)))
+            wanted.append(q + step.num_new_tokens - 1)
+            q += step.num_new_tokens
+        logits = self._forward_rows(steps, wanted if len(wanted) != len(steps) else None)
+        out = StepOutput.empty(len(steps))
+        for i, (step, pspec) in enumerate(zip(steps, prompt_specs, strict=True)):
+            first, last = rows_of[i]
+            if pspec is not None:
+                # The sampling row scores a target too when the chunk ends mid-prompt.
+                end = last + 1 if len(pspec.targets) == step.num_new_tokens else last
+                out.prompt_logprobs[i] = score_rows(logits[first:end], pspec.targets, pspec.num_top)
+        sample_rows = [rows_of[i][1] for i, spec in enumerate(specs) if spec is not None]
+        if sample_rows:
+            chosen = [s for s in specs if s is not None]
+            sample_logits = logits[sample_rows]
             toks = sample(
-                logits[rows],
-                [c.params for c in chosen],  # type: ignore[union-attr]
-                [c.step for c in chosen],  # type: ignore[union-attr]
-                [c.seed for c in chosen],  # type: ignore[union-attr]
+                sample_logits,
+                [c.params for c in chosen],
+                [c.step for c in chosen],
+                [c.seed for c in chosen],
             )
-            for i, tok in zip(rows, toks, strict=True):
-                out[i] = tok
+            k = 0
+            for i, spec in enumerate(specs):
+                if spec is None:
+                    continue
+                out.tokens[i] = toks[k]
+                if spec.params.logprobs is not None:
+                    out.logprobs[i] = score_rows(
+                        sample_logits[k : k + 1], [toks[k]], spec.params.logprobs
+                    )[0]
+                k += 1
         return out
+
+    def _forward_rows(self, steps: Seq[StepInput], rows: list[int] | None) -> torch.Tensor:
+        """``forward``, but logits for the flattened token ``rows`` (None: last of each)."""
+        if rows is None:
+            return self.forward(steps)
+        for s in steps:
+            if s.context_len > self.max_model_len:
+                raise ContextLengthError(
+                    f"{s.seq_id}: {s.context_len} tokens exceed the context limit "
+                    f"{self.max_model_len}"
+                )
+        batch = build_batch(steps, self.cfg.block_size, self.device)
+        batch = replace(
+            batch, logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device)
+        )
+        return self.model.forward(batch, self._kv_layers)
 
     # ---------------------------------------------------------------- re-slice
     def reslice(self, role: str) -> int:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shared.engine.batch import StepInput
 from shared.engine.engine import Engine, SampleSpec
+from shared.engine.logprobs import Logprob, prompt_spec
 from shared.engine.sequence import Sequence, finish_reason_after
 from shared.errors import NoFreeBlocksError
 from shared.sampling_params import SamplingParams
@@ -25,6 +26,9 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     finish_reason: str
+    # When the params ask: one per output token; prompt ones per prompt token (first None).
+    logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob | None] = field(default_factory=list)
 
 
 def generate(
@@ -45,6 +49,9 @@ def generate(
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
     ]
     by_id = {s.seq_id: s for s in seqs}
+    logprobs: dict[str, list[Logprob]] = {s.seq_id: [] for s in seqs}
+    # A preempted prompt is recomputed: keep the first score of each position.
+    prompt_lps: dict[str, dict[int, Logprob]] = {s.seq_id: {} for s in seqs}
     bm = engine.block_manager
     for s in seqs:
         engine.check_prompt(len(s.prompt_token_ids))
@@ -126,14 +133,27 @@ def generate(
                 SampleSpec(s.params, len(s.output_token_ids), s.seed) if s in sampled else None
                 for s in (by_id[st.seq_id] for st in steps)
             ]
-            results = engine.step(steps, specs)
-            for step in steps:
+            pspecs = [
+                prompt_spec(
+                    by_id[st.seq_id].prompt_token_ids,
+                    st.start_pos,
+                    st.num_new_tokens,
+                    by_id[st.seq_id].params.prompt_logprobs,
+                )
+                for st in steps
+            ]
+            out = engine.step_full(steps, specs, pspecs)
+            for step, plps in zip(steps, out.prompt_logprobs, strict=True):
                 by_id[step.seq_id].num_cached_tokens = step.context_len
-            for step, tok in zip(steps, results, strict=True):
+                for j, plp in enumerate(plps):
+                    prompt_lps[step.seq_id].setdefault(step.start_pos + 1 + j, plp)
+            for step, tok, lp in zip(steps, out.tokens, out.logprobs, strict=True):
                 if tok is None:
                     continue
                 seq = by_id[step.seq_id]
                 seq.output_token_ids.append(tok)
+                if lp is not None:
+                    logprobs[seq.seq_id].append(lp)
                 seq.finish_reason = finish_reason_after(
                     seq, tok, engine.eos_token_ids, engine.max_model_len
                 )
@@ -149,7 +169,14 @@ def generate(
                 bm.free_sequence(s.seq_id)
     return [
         GenerationOutput(
-            s.seq_id, s.prompt_token_ids, s.output_token_ids, s.finish_reason or "abort"
+            s.seq_id,
+            s.prompt_token_ids,
+            s.output_token_ids,
+            s.finish_reason or "abort",
+            logprobs[s.seq_id],
+            [None, *(prompt_lps[s.seq_id].get(i) for i in range(1, len(s.prompt_token_ids)))]
+            if s.params.prompt_logprobs is not None
+            else [],
         )
         for s in seqs
     ]

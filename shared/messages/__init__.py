@@ -29,6 +29,7 @@ from shared.messages.streams import (
     StreamMessage,
     TokenBatch,
     TokenItem,
+    TokenLogprob,
     WorkerTelemetry,
 )
 from shared.messages.subjects import Subjects
@@ -57,6 +58,7 @@ ALL_MESSAGE_TYPES: tuple[type[Message], ...] = (
     SwitchCommand,
     SwitchReply,
     MigrateRequest,
+    TokenLogprob,
     TokenItem,
     TokenBatch,
     WorkerTelemetry,
@@ -108,6 +110,7 @@ __all__ = [
     "SwitchReply",
     "TokenBatch",
     "TokenItem",
+    "TokenLogprob",
     "WorkerRecord",
     "WorkerRow",
     "WorkerTelemetry",

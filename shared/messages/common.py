@@ -49,8 +49,15 @@ class SamplingParams(Message):
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default=(), metadata={"max_len": MAX_STOP_TOKEN_IDS})
     ignore_eos: bool = False
+    # None = not asked; k = the token's logprob plus the k most likely (k <= 20).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def check(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise MessageError(f"field {name}: must be in [0, 20]")
         if self.max_tokens < 1:
             raise MessageError("field max_tokens: must be >= 1")
         check_nonnegative(self.temperature, "temperature")

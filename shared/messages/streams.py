@@ -17,6 +17,7 @@ _ID = {"max_len": MAX_ID_CHARS}
 MAX_ITEM_TOKENS = 4096
 MAX_TIMESTAMPS = 32
 MAX_FINISH_REASON_CHARS = 32
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,12 +35,34 @@ class StreamMessage(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TokenLogprob(Message):
+    """One scored token (shared/engine/logprobs.py): its logprob and the top ids/logprobs
+    at its position, most likely first. Sent only for requests that ask for logprobs."""
+
+    TYPE_TAG = "token_logprob"
+    WIRE_ARRAY = True
+
+    logprob: float
+    top_ids: tuple[int, ...] = field(default=(), metadata={"max_len": MAX_TOP_LOGPROBS})
+    top_logprobs: tuple[float, ...] = field(default=(), metadata={"max_len": MAX_TOP_LOGPROBS})
+
+    def check(self) -> None:
+        if len(self.top_ids) != len(self.top_logprobs):
+            raise MessageError("fields top_ids/top_logprobs: must have the same length")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TokenItem(Message):
     """New tokens of one request in one worker iteration.
 
     ``finish_reason`` ("stop", "length", "cancelled", "error") marks the last item of a
     request; ``error``/``error_code`` say why it failed. ``timestamps`` carries optional
     named wall-clock instants for the TTFT breakdown (e.g. "prefill_start_s").
+
+    Only for requests that ask (empty otherwise, one byte each on the wire):
+    ``logprobs[i]`` scores ``token_ids[i]``; ``prompt_logprobs[j]`` scores prompt token
+    ``prompt_logprobs_start + j`` (the worker that computed that prompt position sends it;
+    an item may carry prompt logprobs and no tokens).
     """
 
     TYPE_TAG = "token_item"
@@ -52,6 +75,17 @@ class TokenItem(Message):
     error: str | None = field(default=None, metadata={"max_len": MAX_ERROR_CHARS})
     error_code: str | None = field(default=None, metadata={"max_len": 64})
     timestamps: dict[str, float] = field(default_factory=dict, metadata={"max_len": MAX_TIMESTAMPS})
+    logprobs: tuple[TokenLogprob, ...] = field(default=(), metadata={"max_len": MAX_ITEM_TOKENS})
+    prompt_logprobs_start: int = 0
+    prompt_logprobs: tuple[TokenLogprob, ...] = field(
+        default=(), metadata={"max_len": MAX_ITEM_TOKENS}
+    )
+
+    def check(self) -> None:
+        if self.logprobs and len(self.logprobs) != len(self.token_ids):
+            raise MessageError("field logprobs: one per token id when present")
+        if self.prompt_logprobs_start < 0:
+            raise MessageError("field prompt_logprobs_start: must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)

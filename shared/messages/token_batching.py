@@ -27,6 +27,11 @@ _FLOAT_BYTES = 9
 # TokenBatch envelope: field names, publisher_id (<= 128 chars * 4 B), epoch, seq, tag,
 # version and the items array header.
 _BATCH_ENVELOPE_BYTES = 1024
+# One TokenLogprob: array header, the float, two array headers (+ per top entry an id and
+# a float).
+_LOGPROB_FIXED_BYTES = 3 + _FLOAT_BYTES + 2 * _STR_HEADER_BYTES
+# Prompt logprobs per item: 512 x (k = 20) stays ~200 KB, under the message limit.
+MAX_PROMPT_LOGPROBS_PER_ITEM = 512
 
 
 def _str_bound(text: str | None) -> int:
@@ -43,6 +48,9 @@ def item_size_bound(item: TokenItem) -> int:
     size += _STR_HEADER_BYTES
     for key in item.timestamps:
         size += _str_bound(key) + _FLOAT_BYTES
+    size += 2 * _STR_HEADER_BYTES + _INT_BYTES
+    for lp in (*item.logprobs, *item.prompt_logprobs):
+        size += _LOGPROB_FIXED_BYTES + (_INT_BYTES + _FLOAT_BYTES) * len(lp.top_ids)
     return size
 
 
@@ -53,18 +61,48 @@ def _normalise(item: TokenItem) -> list[TokenItem]:
     if len(item.timestamps) > MAX_TIMESTAMPS:
         kept = dict(list(item.timestamps.items())[:MAX_TIMESTAMPS])
         item = dataclasses.replace(item, timestamps=kept)
+    pieces: list[TokenItem] = []
+    plps = item.prompt_logprobs
+    if len(plps) > MAX_PROMPT_LOGPROBS_PER_ITEM:
+        # Prompt logprobs beyond the first piece travel in items of their own (no tokens).
+        n = MAX_PROMPT_LOGPROBS_PER_ITEM
+        for start in range(n, len(plps), n):
+            pieces.append(
+                TokenItem(
+                    request_id=item.request_id,
+                    index=item.index,
+                    prompt_logprobs_start=item.prompt_logprobs_start + start,
+                    prompt_logprobs=plps[start : start + n],
+                )
+            )
+        item = dataclasses.replace(item, prompt_logprobs=plps[:n])
     if len(item.token_ids) <= MAX_ITEM_TOKENS:
-        return [item]
-    pieces = []
-    ids = item.token_ids
+        return [*pieces, item]
+    ids, lps = item.token_ids, item.logprobs
     for start in range(0, len(ids), MAX_ITEM_TOKENS):
         chunk = tuple(ids[start : start + MAX_ITEM_TOKENS])
+        chunk_lps = tuple(lps[start : start + MAX_ITEM_TOKENS])
         last = start + MAX_ITEM_TOKENS >= len(ids)
         if last:
-            pieces.append(dataclasses.replace(item, index=item.index + start, token_ids=chunk))
+            pieces.append(
+                dataclasses.replace(
+                    item,
+                    index=item.index + start,
+                    token_ids=chunk,
+                    logprobs=chunk_lps,
+                    prompt_logprobs=item.prompt_logprobs if start == 0 else (),
+                )
+            )
         else:
             pieces.append(
-                TokenItem(request_id=item.request_id, index=item.index + start, token_ids=chunk)
+                TokenItem(
+                    request_id=item.request_id,
+                    index=item.index + start,
+                    token_ids=chunk,
+                    logprobs=chunk_lps,
+                    prompt_logprobs_start=item.prompt_logprobs_start if start == 0 else 0,
+                    prompt_logprobs=item.prompt_logprobs if start == 0 else (),
+                )
             )
     return pieces
 
