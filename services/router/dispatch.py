@@ -78,24 +78,24 @@ class Dispatcher:
 
     # --- bus callbacks ----------------------------------------------------------------
     async def on_tokens(self, batch: TokenBatch) -> None:
-        """Route each item to its stream; items of unknown/finished requests are dropped."""
+        """Route each item to its stream; items of unknown/finished requests, and items
+        from a worker that does not serve the request (``_may_publish``), are dropped."""
         now = time.time()
+        foreign = 0
         for item in batch.items:
             entry = self.in_flight.get(item.request_id)
             if entry is not None:
                 if not self._may_publish(entry, batch.publisher_id):
-                    self.metrics.foreign_token_items_total.inc()
-                    log.warning(
-                        "token_item_foreign",
-                        request_id=item.request_id,
-                        publisher=batch.publisher_id,
-                    )
+                    foreign += 1
                     continue
                 if item.token_ids or item.finish_reason is not None:
                     # Admitted and running (or over): the decode worker's telemetry now
                     # counts it, so the pairing stops counting it as in flight to it.
                     self.policy.settle(item.request_id)
                 entry.stream.offer(item, now)
+        if foreign:  # one line per batch: a flood of forged items must not flood the log
+            self.metrics.foreign_token_items_total.inc(foreign)
+            log.warning("token_items_foreign", publisher=batch.publisher_id, items=foreign)
 
     def _may_publish(self, entry: InFlight, publisher_id: str) -> bool:
         """Whether ``publisher_id`` may stream ``entry``'s tokens; rebinds on a migration.
