@@ -2,6 +2,9 @@
 controller and worker processes (emulated engine, model tiny); the fault is injected into
 ``EmulatedEngine.step`` of one decode worker process (tests/support/engine_fault).
 
+Also: out-of-vocabulary ids sent straight over NATS are refused by the worker (a
+per-request error) and never reach the engine.
+
 Shown: the requests it held fail within seconds with ``engine_failed``; it leaves the
 serving set (registry state ``failed``, then gone from ``fluidpd ctl status``) and exits
 with status 3; its pool is whole and consistent before it exits; nothing leaks on the
@@ -22,7 +25,9 @@ import pytest_asyncio
 
 from services.common.cluster import Cluster
 from services.worker.failure import EXIT_ENGINE_FAILED
+from shared.bus import RemoteError
 from tests.support.faults import (
+    TINY_VOCAB,
     completion,
     fault_cluster,
     leaked_blocks,
@@ -60,6 +65,22 @@ async def client(cluster: Cluster) -> AsyncIterator[BusClient]:
     async with BusClient(cluster.nats_url) as c:
         await c.wait_workers(["p0", "d0", "d1"])
         yield c
+
+
+async def test_out_of_vocabulary_ids_are_refused_before_the_engine(client: BusClient) -> None:
+    # Straight over NATS (the router would refuse them): to a prefill worker, and to a
+    # decode worker serving a prompt whole. A per-request error, so the worker stays.
+    bad = [*prompt(3, 20), TINY_VOCAB + 5]
+    for prefill_id, decode_id in (("p0", "d0"), ("d1", "d1")):
+        with pytest.raises(RemoteError) as info:
+            await client.submit(prefill_id, decode_id, bad, 4)
+        assert info.value.code == "invalid_request_error", info.value
+        assert "out of the vocabulary" in info.value.remote_message
+    assert client.watcher is not None
+    assert {r.worker_id for r in client.watcher.workers(state="active")} == {"p0", "d0", "d1"}
+    rid = await client.submit("p0", "d0", prompt(4, 20), 4)
+    st = await client.result(rid, 30)
+    assert st.error is None and len(st.indices) == 4, st
 
 
 async def test_engine_step_raising_fails_requests_and_takes_the_worker_out(

@@ -36,7 +36,7 @@ from shared.aio import resolve
 from shared.bus import Bus
 from shared.bus.config import BusConfig
 from shared.bus.registry import RegistryConfig, RegistryWatcher, WorkerRegistration
-from shared.errors import WorkerNotActiveError
+from shared.errors import InvalidRequestError, WorkerNotActiveError
 from shared.messages import (
     Ack,
     AdmitReply,
@@ -97,6 +97,7 @@ class WorkerRuntime(Service):
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{cfg.worker_id}")
         self.engine = await loop.run_in_executor(self.executor, build_engine, cfg)
         self.engine.reslice(self.role)  # a prefill worker's arena lends its workspace
+        self.vocab_size = int(self.engine.tokenizer.vocab_size)
         fingerprint = fingerprint_of(self.engine)
         self.node = TransferNode(
             TransferNodeConfig(cuda_device=cfg.device if cfg.device.startswith("cuda") else None)
@@ -247,7 +248,18 @@ class WorkerRuntime(Service):
         self._tasks.append(asyncio.ensure_future(fail_worker(self, type(exc).__name__)))
 
     # ------------------------------------------------------------------ handlers
+    def _check_vocab(self, token_ids: tuple[int, ...], field: str) -> None:
+        """Refuse ids outside the model's vocabulary (the router checks; a client talking
+        NATS directly may not). Raises InvalidRequestError: an id the embedding cannot look
+        up would make the engine step raise and take the whole worker out (failure.py)."""
+        if token_ids and max(token_ids) >= self.vocab_size:  # >= 0: the message checks it
+            raise InvalidRequestError(
+                f"{field}: token id {max(token_ids)} is out of the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+
     async def _on_prefill(self, msg: PrefillRequest) -> Ack:
+        self._check_vocab(msg.prompt_token_ids, "prompt_token_ids")
         if self.state != "active":
             # Routers only pick Active workers; this is the race with a state change.
             raise WorkerNotActiveError(f"worker {self.cfg.worker_id} is {self.state}")
@@ -260,6 +272,7 @@ class WorkerRuntime(Service):
         return Ack()
 
     async def _on_admit(self, msg: AdmitRequest) -> AdmitReply:
+        self._check_vocab(msg.suffix_token_ids, "suffix_token_ids")
         if self.role != "decode" or self.state != "active":
             # Not (or no longer) a decode worker: the prefill side re-pairs the request.
             return AdmitReply(
@@ -293,6 +306,7 @@ class WorkerRuntime(Service):
         )
 
     async def _on_migrate(self, msg: MigrateRequest) -> AdmitReply:
+        self._check_vocab(msg.generated_token_ids, "generated_token_ids")
         if self.role != "decode" or self.state != "active":
             return AdmitReply(ok=False, error=f"worker is {self.role}/{self.state}")
         return self.decode.admit_migration(msg)
