@@ -152,8 +152,8 @@ UNSUPPORTED = [
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat", {"tool_choice": "auto"}, "tool_choice"),
     ("completion", {"suffix": "x"}, "suffix"),
-    ("completion", {"n": 2}, "n"),
-    ("chat", {"logprobs": True}, "logprobs"),
+    ("chat", {"echo": True}, "echo"),  # a completions field
+    ("completion", {"top_logprobs": 3}, "top_logprobs"),  # a chat field
     ("completion", {"frequency_penalty": 0.5}, "frequency_penalty"),
     ("completion", {"messages": [{"role": "user", "content": "hi"}]}, "messages"),
     ("chat", {"prompt": "hi"}, "prompt"),
@@ -187,7 +187,6 @@ async def test_neutral_values_of_unimplemented_fields_pass(
         "model": "tiny",
         "prompt": "hi",
         "n": 1,
-        "logprobs": False,
         "echo": False,
         "frequency_penalty": 0.0,
         "logit_bias": {},
