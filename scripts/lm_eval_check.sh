@@ -58,17 +58,20 @@ for _ in $(seq 600); do
   sleep 1
 done
 
-run_lm_eval() {  # name, model, model_args
-  "$LMEVAL_VENV/bin/lm_eval" --model "$2" --model_args "$3" --tasks fluidpd_mc \
-    --include_path "$TASKS" --batch_size 1 --output_path "$OUT/$1" > "$OUT/$1.log" 2>&1 \
-    || { tail -40 "$OUT/$1.log"; exit 1; }
-  tail -8 "$OUT/$1.log"
+run_lm_eval() {  # name, model, model_args, extra lm_eval flags...
+  local name=$1 model=$2 args=$3
+  shift 3
+  "$LMEVAL_VENV/bin/lm_eval" --model "$model" --model_args "$args" --tasks fluidpd_mc \
+    --include_path "$TASKS" --batch_size 1 --log_samples --output_path "$OUT/$name" "$@" \
+    > "$OUT/$name.log" 2>&1 || { tail -40 "$OUT/$name.log"; exit 1; }
+  tail -4 "$OUT/$name.log"
 }
 t0=$(date +%s)
 run_lm_eval served local-completions \
-  "model=smollm2-135m,base_url=http://127.0.0.1:$PORT/v1/completions,tokenizer_backend=huggingface,tokenizer=$TOKDIR,tokenized_requests=True,num_concurrent=1,max_retries=1"
+  "model=smollm2-135m,base_url=http://127.0.0.1:$PORT/v1/completions,tokenizer_backend=huggingface,tokenizer=$TOKDIR,tokenized_requests=True,num_concurrent=1,max_retries=3"
 t1=$(date +%s)
-run_lm_eval hf hf "pretrained=$(dirname "$GGUF"),gguf_file=$(basename "$GGUF"),tokenizer=$TOKDIR,dtype=float32,device=cpu"
+run_lm_eval hf hf "pretrained=$(dirname "$GGUF"),gguf_file=$(basename "$GGUF"),tokenizer=$TOKDIR,dtype=float32" \
+  --device cpu
 t2=$(date +%s)
 
 "$PY" - "$OUT" $((t1 - t0)) $((t2 - t1)) <<'PYEOF'
@@ -78,10 +81,17 @@ out = Path(sys.argv[1])
 def acc(name):
     files = sorted(out.joinpath(name).rglob("results_*.json"))
     return json.loads(files[-1].read_text())["results"]["fluidpd_mc"]["acc,none"]
+def logliks(name):  # doc id -> [log-likelihood of each choice]
+    files = sorted(out.joinpath(name).rglob("samples_fluidpd_mc_*.jsonl"))
+    rows = [json.loads(line) for line in files[-1].read_text().splitlines()]
+    return {r["doc_id"]: [float(x[0]) for x in r["filtered_resps"]] for r in rows}
 served, hf = acc("served"), acc("hf")
-summary = {"task": "fluidpd_mc", "n": 40, "served_acc": served, "hf_acc": hf,
-           "equal": served == hf, "served_s": int(sys.argv[2]), "hf_s": int(sys.argv[3]),
-           "out": str(out)}
+a, b = logliks("served"), logliks("hf")
+diff = max(abs(x - y) for d in a for x, y in zip(a[d], b[d], strict=True))
+picks = sum(max(range(len(a[d])), key=a[d].__getitem__) != max(range(len(b[d])), key=b[d].__getitem__) for d in a)
+summary = {"task": "fluidpd_mc", "n": len(a), "served_acc": served, "hf_acc": hf,
+           "equal": served == hf, "max_abs_loglik_diff": diff, "different_picks": picks,
+           "served_s": int(sys.argv[2]), "hf_s": int(sys.argv[3]), "out": str(out)}
 print(json.dumps(summary))
 sys.exit(0 if served == hf else 1)
 PYEOF
