@@ -22,6 +22,8 @@ import structlog
 from services.worker.prefill_job import PrefillJob
 from shared.bus import Bus
 from shared.bus.errors import BusError
+from shared.engine.block_manager import BlockManager
+from shared.engine.interface import StepEngine
 from shared.errors import FluidPDError
 from shared.messages import AdmitReply, CancelRequest, Subjects
 from shared.transfer.envelope import TransferTicket
@@ -35,8 +37,8 @@ class PrefillHandoff:
     """Reservation wait and KV export for ``PrefillRole``. A base class, not a service of
     its own: the attributes below are the role's (set in ``PrefillRole.__init__``)."""
 
-    engine: Any
-    bm: Any
+    engine: StepEngine
+    bm: BlockManager
     bus: Bus
     subjects: Subjects
     sender: KVSender

@@ -36,6 +36,7 @@ from shared.aio import resolve
 from shared.bus import Bus
 from shared.bus.config import BusConfig
 from shared.bus.registry import RegistryConfig, RegistryWatcher, WorkerRegistration
+from shared.engine.interface import StepEngine
 from shared.errors import InvalidRequestError, WorkerNotActiveError
 from shared.messages import (
     Ack,
@@ -74,7 +75,7 @@ class WorkerRuntime(Service):
         self._flush_event = asyncio.Event()
         self._flush_waiters: list[asyncio.Future[None]] = []
         self._stopped = False
-        self.engine: Any = None
+        self.engine: StepEngine  # set in start()
         # Set when the worker must exit (engine failure, services/worker/failure.py); the
         # process then exits with ``exit_status``.
         self.fatal = asyncio.Event()
