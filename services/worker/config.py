@@ -8,8 +8,8 @@ import socket
 from dataclasses import dataclass, field
 
 from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
+from shared.policy.roles import ROLES, Role
 
-ROLES = ("prefill", "decode")
 ENGINES = ("torch", "emulated")
 
 
@@ -23,7 +23,7 @@ class WorkerConfig:
     """
 
     worker_id: str
-    role: str
+    role: Role
     nats_url: str = "nats://127.0.0.1:4222"
     nats_user: str = ""
     nats_password: str = field(default="", repr=False)
@@ -133,5 +133,5 @@ class WorkerConfig:
         return self.cluster_secret.encode()
 
 
-def default_worker_id(role: str) -> str:
+def default_worker_id(role: Role) -> str:
     return f"{role[0]}-{socket.gethostname().split('.')[0]}-{os.getpid()}"

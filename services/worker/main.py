@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+from typing import cast
 
 from services.common.logging import configure_logging
 from services.common.service import announce_ready
@@ -14,6 +15,7 @@ from services.worker.config import WorkerConfig, default_worker_id
 from shared.aio import run
 from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
 from shared.errors import FluidPDError
+from shared.policy.roles import PREFILL, Role
 
 
 def build_parser(role: str) -> argparse.ArgumentParser:
@@ -127,7 +129,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(role: str, argv: list[str] | None) -> WorkerConfig:
+def config_from_args(role: Role, argv: list[str] | None) -> WorkerConfig:
     a = build_parser(role).parse_args(argv)
     return WorkerConfig(
         worker_id=a.id or default_worker_id(role),
@@ -189,7 +191,7 @@ async def serve(cfg: WorkerConfig) -> int:
     return status
 
 
-def main(role: str, argv: list[str] | None = None) -> int:
+def main(role: Role, argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(role, argv)
         configure_logging(json_logs=cfg.log_json, service=f"worker:{cfg.worker_id}")
@@ -205,4 +207,5 @@ def main(role: str, argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "prefill", sys.argv[2:]))
+    # WorkerConfig rejects any other role (exit 2, one line), as for the packaged entry points.
+    sys.exit(main(cast(Role, sys.argv[1] if len(sys.argv) > 1 else PREFILL), sys.argv[2:]))
