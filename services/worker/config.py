@@ -7,6 +7,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from shared.bus.config import BusConfig
 from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
 from shared.policy.roles import ROLES, Role
 
@@ -24,11 +25,9 @@ class WorkerConfig:
 
     worker_id: str
     role: Role
-    nats_url: str = "nats://127.0.0.1:4222"
-    nats_user: str = ""
-    nats_password: str = field(default="", repr=False)
-    nats_creds: str = ""
-    nats_tls_ca: str = ""
+    # How to reach NATS (services/common/bus_flags.py makes it from the --nats* flags); the
+    # runtime names the connection after the worker.
+    bus: BusConfig = field(default_factory=BusConfig)
     subject_prefix: str = "fluidpd"
     engine: str = "torch"
     device: str = "cpu"  # cpu | cuda | cuda:N (torch engine)

@@ -9,6 +9,7 @@ import signal
 import sys
 from typing import cast
 
+from services.common.bus_flags import add_bus_flags, bus_config_from_args
 from services.common.logging import configure_logging
 from services.common.service import announce_ready
 from services.worker.config import WorkerConfig, default_worker_id
@@ -25,11 +26,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         description=f"FluidPD worker, starting in the {role} role",
     )
     p.add_argument("--id", default=env("FLUIDPD_WORKER_ID", ""), help="worker id")
-    p.add_argument("--nats", default=env("FLUIDPD_NATS_URL", "nats://127.0.0.1:4222"))
-    p.add_argument("--nats-user", default=env("FLUIDPD_NATS_USER", ""))
-    p.add_argument("--nats-password", default=env("FLUIDPD_NATS_PASSWORD", ""))
-    p.add_argument("--nats-creds", default=env("FLUIDPD_NATS_CREDS", ""))
-    p.add_argument("--nats-tls-ca", default=env("FLUIDPD_NATS_TLS_CA", ""))
+    add_bus_flags(p)
     p.add_argument("--subject-prefix", default=env("FLUIDPD_SUBJECT_PREFIX", "fluidpd"))
     p.add_argument(
         "--engine", choices=("torch", "emulated"), default=env("FLUIDPD_ENGINE", "torch")
@@ -134,11 +131,7 @@ def config_from_args(role: Role, argv: list[str] | None) -> WorkerConfig:
     return WorkerConfig(
         worker_id=a.id or default_worker_id(role),
         role=role,
-        nats_url=a.nats,
-        nats_user=a.nats_user,
-        nats_password=a.nats_password,
-        nats_creds=a.nats_creds,
-        nats_tls_ca=a.nats_tls_ca,
+        bus=bus_config_from_args(a),
         subject_prefix=a.subject_prefix,
         engine=a.engine,
         model=a.model,

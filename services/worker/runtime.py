@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,6 @@ from services.worker.telemetry import Telemetry
 from services.worker.token_stream import TokenStreamer
 from shared.aio import resolve
 from shared.bus import Bus
-from shared.bus.config import BusConfig
 from shared.bus.registry import RegistryConfig, RegistryWatcher, WorkerRegistration
 from shared.engine.interface import StepEngine
 from shared.errors import InvalidRequestError, WorkerNotActiveError
@@ -87,13 +87,7 @@ class WorkerRuntime(Service):
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         # The bus first: a wrong URL or credentials fail in seconds, before the model loads.
-        bus_cfg = BusConfig.from_url(
-            cfg.nats_url,
-            name=f"worker-{cfg.worker_id}",
-            **({"user": cfg.nats_user, "password": cfg.nats_password} if cfg.nats_user else {}),
-            **({"creds_file": cfg.nats_creds} if cfg.nats_creds else {}),
-            **({"tls_ca_file": cfg.nats_tls_ca} if cfg.nats_tls_ca else {}),
-        )
+        bus_cfg = dataclasses.replace(cfg.bus, name=f"worker-{cfg.worker_id}")
         self.bus = Bus(bus_cfg, self.subjects, registry=self.metrics_registry)
         await self._stack.enter_async_context(self.bus)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{cfg.worker_id}")
