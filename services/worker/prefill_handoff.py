@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -50,7 +51,7 @@ class PrefillHandoff:
     progress: asyncio.Event
     split_requests_total: int
     handed_off_tokens_total: int
-    observe_stage: Any
+    observe_stage: Callable[[str, float], None]
 
     def _fail(self, job: PrefillJob, error: str, code: str) -> None:
         """End ``job`` with an error item to the router (the role's; see PrefillRole)."""
