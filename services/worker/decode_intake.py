@@ -22,6 +22,8 @@ import structlog
 from services.worker.decode_waiting import WaitingAdmissions
 from services.worker.params import engine_params
 from services.worker.token_stream import TokenStreamer
+from shared.engine.block_manager import BlockManager
+from shared.engine.interface import StepEngine
 from shared.engine.sequence import Sequence, finish_reason_after
 from shared.errors import NoFreeBlocksError
 from shared.messages import AdmitReply, AdmitRequest, MigrateRequest, PrefillRequest, TokenItem
@@ -53,8 +55,8 @@ class DecodeIntake:
     """Admission and KV intake for ``DecodeRole``. A base class, not a service of its own:
     the attributes below are the role's (set in ``DecodeRole.__init__``)."""
 
-    engine: Any
-    bm: Any
+    engine: StepEngine
+    bm: BlockManager
     receiver: KVReceiver
     streamer: TokenStreamer
     _publish: Callable[[], Any]

@@ -39,6 +39,7 @@ from services.worker.decode_waiting import WaitingAdmissions
 from services.worker.token_stream import TokenStreamer, wire_logprobs
 from shared.engine.batch import StepInput
 from shared.engine.engine import SampleSpec
+from shared.engine.interface import StepEngine
 from shared.engine.logprobs import PromptLogprobsSpec, StepOutput, prompt_spec
 from shared.engine.sequence import finish_reason_after
 from shared.errors import NoFreeBlocksError
@@ -55,7 +56,7 @@ class DecodeRole(DecodeIntake):
 
     def __init__(
         self,
-        engine: Any,
+        engine: StepEngine,
         receiver: KVReceiver,
         streamer: TokenStreamer,
         executor: Executor,

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from services.worker.config import WorkerConfig
+from shared.engine.interface import StepEngine
 from shared.transfer.envelope import KVFingerprint
 
 
-def build_engine(cfg: WorkerConfig) -> Any:
+def build_engine(cfg: WorkerConfig) -> StepEngine:
     """Load the engine named by ``cfg.engine``. Raises ModelLoadError on bad model files."""
     if cfg.engine == "emulated":
         from shared.engine.emulated import EmulatedConfig, EmulatedEngine
@@ -46,7 +45,7 @@ def build_engine(cfg: WorkerConfig) -> Any:
     )
 
 
-def fingerprint_of(engine: Any) -> KVFingerprint:
+def fingerprint_of(engine: StepEngine) -> KVFingerprint:
     f = engine.fingerprint_fields()
     return KVFingerprint(
         arch_digest=f["model_digest"],

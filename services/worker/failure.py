@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from shared.policy.roles import FAILED
+
 if TYPE_CHECKING:
     from services.worker.runtime import WorkerRuntime
 
@@ -37,7 +39,7 @@ async def fail_worker(rt: WorkerRuntime, error: str) -> None:
     raises (a failure to publish is logged; the exit still happens)."""
     try:
         rt.prefill.admitting = rt.decode.admitting = False
-        await rt.switcher.set_state("failed", f"engine failed: {error}")
+        await rt.switcher.set_state(FAILED, f"engine failed: {error}")
         bm = rt.engine.block_manager
         deadline = time.monotonic() + rt.cfg.transfer_timeout_s + 1.0
         # A cancelled receive frees its reservation only once UCX let go of its buffers.

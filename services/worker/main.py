@@ -7,13 +7,16 @@ import asyncio
 import os
 import signal
 import sys
+from typing import cast
 
+from services.common.bus_flags import add_bus_flags, bus_config_from_args
 from services.common.logging import configure_logging
 from services.common.service import announce_ready
 from services.worker.config import WorkerConfig, default_worker_id
 from shared.aio import run
 from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
 from shared.errors import FluidPDError
+from shared.policy.roles import PREFILL, Role
 
 
 def build_parser(role: str) -> argparse.ArgumentParser:
@@ -23,11 +26,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
         description=f"FluidPD worker, starting in the {role} role",
     )
     p.add_argument("--id", default=env("FLUIDPD_WORKER_ID", ""), help="worker id")
-    p.add_argument("--nats", default=env("FLUIDPD_NATS_URL", "nats://127.0.0.1:4222"))
-    p.add_argument("--nats-user", default=env("FLUIDPD_NATS_USER", ""))
-    p.add_argument("--nats-password", default=env("FLUIDPD_NATS_PASSWORD", ""))
-    p.add_argument("--nats-creds", default=env("FLUIDPD_NATS_CREDS", ""))
-    p.add_argument("--nats-tls-ca", default=env("FLUIDPD_NATS_TLS_CA", ""))
+    add_bus_flags(p)
     p.add_argument("--subject-prefix", default=env("FLUIDPD_SUBJECT_PREFIX", "fluidpd"))
     p.add_argument(
         "--engine", choices=("torch", "emulated"), default=env("FLUIDPD_ENGINE", "torch")
@@ -127,16 +126,12 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(role: str, argv: list[str] | None) -> WorkerConfig:
+def config_from_args(role: Role, argv: list[str] | None) -> WorkerConfig:
     a = build_parser(role).parse_args(argv)
     return WorkerConfig(
         worker_id=a.id or default_worker_id(role),
         role=role,
-        nats_url=a.nats,
-        nats_user=a.nats_user,
-        nats_password=a.nats_password,
-        nats_creds=a.nats_creds,
-        nats_tls_ca=a.nats_tls_ca,
+        bus=bus_config_from_args(a),
         subject_prefix=a.subject_prefix,
         engine=a.engine,
         model=a.model,
@@ -189,7 +184,7 @@ async def serve(cfg: WorkerConfig) -> int:
     return status
 
 
-def main(role: str, argv: list[str] | None = None) -> int:
+def main(role: Role, argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(role, argv)
         configure_logging(json_logs=cfg.log_json, service=f"worker:{cfg.worker_id}")
@@ -205,4 +200,5 @@ def main(role: str, argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "prefill", sys.argv[2:]))
+    # WorkerConfig rejects any other role (exit 2, one line), as for the packaged entry points.
+    sys.exit(main(cast(Role, sys.argv[1] if len(sys.argv) > 1 else PREFILL), sys.argv[2:]))

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.exposition import generate_latest
 
 from shared.policy.predictors import TIME_COEFFICIENTS
+from shared.policy.roles import ROLES, SERVING_STATES
 
 if TYPE_CHECKING:
     from services.worker.runtime import WorkerRuntime
@@ -133,9 +134,9 @@ class WorkerMetrics:
 
     def refresh(self, rt: WorkerRuntime) -> None:
         wid = self.worker_id
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             self.role.labels(wid, role).set(1 if rt.role == role else 0)
-        for state in ("active", "drain", "switch"):
+        for state in SERVING_STATES:
             self.state.labels(wid, state).set(1 if rt.state == state else 0)
         t = rt.telemetry
         self.ppi.labels(wid).set(t.ppi)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -22,6 +23,8 @@ import structlog
 from services.worker.prefill_job import PrefillJob
 from shared.bus import Bus
 from shared.bus.errors import BusError
+from shared.engine.block_manager import BlockManager
+from shared.engine.interface import StepEngine
 from shared.errors import FluidPDError
 from shared.messages import AdmitReply, CancelRequest, Subjects
 from shared.transfer.envelope import TransferTicket
@@ -35,8 +38,8 @@ class PrefillHandoff:
     """Reservation wait and KV export for ``PrefillRole``. A base class, not a service of
     its own: the attributes below are the role's (set in ``PrefillRole.__init__``)."""
 
-    engine: Any
-    bm: Any
+    engine: StepEngine
+    bm: BlockManager
     bus: Bus
     subjects: Subjects
     sender: KVSender
@@ -48,7 +51,7 @@ class PrefillHandoff:
     progress: asyncio.Event
     split_requests_total: int
     handed_off_tokens_total: int
-    observe_stage: Any
+    observe_stage: Callable[[str, float], None]
 
     def _fail(self, job: PrefillJob, error: str, code: str) -> None:
         """End ``job`` with an error item to the router (the role's; see PrefillRole)."""

@@ -41,6 +41,7 @@ from shared.aio import resolve
 from shared.bus import Bus
 from shared.engine.batch import StepInput
 from shared.engine.engine import SampleSpec
+from shared.engine.interface import StepEngine
 from shared.engine.logprobs import StepOutput, prompt_spec
 from shared.messages import (
     AdmitReply,
@@ -62,7 +63,7 @@ class PrefillRole(PrefillHandoff):
     def __init__(
         self,
         worker_id: str,
-        engine: Any,
+        engine: StepEngine,
         bus: Bus,
         subjects: Subjects,
         sender: KVSender,

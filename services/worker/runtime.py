@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -34,8 +35,8 @@ from services.worker.telemetry import Telemetry
 from services.worker.token_stream import TokenStreamer
 from shared.aio import resolve
 from shared.bus import Bus
-from shared.bus.config import BusConfig
 from shared.bus.registry import RegistryConfig, RegistryWatcher, WorkerRegistration
+from shared.engine.interface import StepEngine
 from shared.errors import InvalidRequestError, WorkerNotActiveError
 from shared.messages import (
     Ack,
@@ -50,6 +51,7 @@ from shared.messages import (
     SwitchCommand,
     WorkerRecord,
 )
+from shared.policy.roles import ACTIVE, DECODE, PREFILL, STARTING, STOPPING, WorkerState
 from shared.transfer.receiver import KVReceiver
 from shared.transfer.sender import KVSender
 from shared.transfer.ucx_node import TransferNode, TransferNodeConfig
@@ -66,15 +68,15 @@ class WorkerRuntime(Service):
         self.cfg = cfg
         self.subjects = Subjects(cfg.subject_prefix)
         self.metrics_registry = CollectorRegistry()
-        self.role: Role = cast(Role, cfg.role)  # validated by WorkerConfig
-        self.state = "starting"
+        self.role: Role = cfg.role
+        self.state: WorkerState = STARTING
         self.started_at_s = time.time()
         self._stack = contextlib.AsyncExitStack()
         self._tasks: list[asyncio.Task[Any]] = []
         self._flush_event = asyncio.Event()
         self._flush_waiters: list[asyncio.Future[None]] = []
         self._stopped = False
-        self.engine: Any = None
+        self.engine: StepEngine  # set in start()
         # Set when the worker must exit (engine failure, services/worker/failure.py); the
         # process then exits with ``exit_status``.
         self.fatal = asyncio.Event()
@@ -85,13 +87,7 @@ class WorkerRuntime(Service):
         cfg = self.cfg
         loop = asyncio.get_running_loop()
         # The bus first: a wrong URL or credentials fail in seconds, before the model loads.
-        bus_cfg = BusConfig.from_url(
-            cfg.nats_url,
-            name=f"worker-{cfg.worker_id}",
-            **({"user": cfg.nats_user, "password": cfg.nats_password} if cfg.nats_user else {}),
-            **({"creds_file": cfg.nats_creds} if cfg.nats_creds else {}),
-            **({"tls_ca_file": cfg.nats_tls_ca} if cfg.nats_tls_ca else {}),
-        )
+        bus_cfg = dataclasses.replace(cfg.bus, name=f"worker-{cfg.worker_id}")
         self.bus = Bus(bus_cfg, self.subjects, registry=self.metrics_registry)
         await self._stack.enter_async_context(self.bus)
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{cfg.worker_id}")
@@ -188,7 +184,7 @@ class WorkerRuntime(Service):
             asyncio.ensure_future(self.prefill.run()),
             asyncio.ensure_future(self._flusher()),
         ]
-        self.state = "active"
+        self.state = ACTIVE
         self.registration = WorkerRegistration(
             self.bus, self.record(), RegistryConfig(heartbeat_s=cfg.heartbeat_s)
         )
@@ -199,7 +195,7 @@ class WorkerRuntime(Service):
         if self._stopped:
             return
         self._stopped = True
-        self.state = "stopping"
+        self.state = STOPPING
         registration = getattr(self, "registration", None)
         if registration is not None:
             with contextlib.suppress(Exception):
@@ -260,11 +256,11 @@ class WorkerRuntime(Service):
 
     async def _on_prefill(self, msg: PrefillRequest) -> Ack:
         self._check_vocab(msg.prompt_token_ids, "prompt_token_ids")
-        if self.state != "active":
+        if self.state != ACTIVE:
             # Routers only pick Active workers; this is the race with a state change.
             raise WorkerNotActiveError(f"worker {self.cfg.worker_id} is {self.state}")
         seed = msg.sampling.seed if msg.sampling.seed is not None else 0
-        if self.role == "prefill" and msg.decode_worker_id != self.cfg.worker_id:
+        if self.role == PREFILL and msg.decode_worker_id != self.cfg.worker_id:
             self.prefill.enqueue(msg, seed)
         else:
             # Routed here whole (short prompt, or this worker is the pair's decode side).
@@ -273,23 +269,21 @@ class WorkerRuntime(Service):
 
     async def _on_admit(self, msg: AdmitRequest) -> AdmitReply:
         self._check_vocab(msg.suffix_token_ids, "suffix_token_ids")
-        if self.role != "decode" or self.state != "active":
+        if self.role != DECODE or self.state != ACTIVE:
             # Not (or no longer) a decode worker: the prefill side re-pairs the request.
             return AdmitReply(
                 ok=False, error=f"worker is {self.role}/{self.state}", retry_after_ms=0
             )
         return self.decode.admit(msg)
 
-    def active_peers(self, role: str, exclude: str = "") -> list[WorkerRecord]:
+    def active_peers(self, role: Role, exclude: str = "") -> list[WorkerRecord]:
         """Active workers of ``role`` in the registry, other than this one (and ``exclude``)."""
         skip = {self.cfg.worker_id, exclude}
-        return [
-            r for r in self.watcher.workers(role=role, state="active") if r.worker_id not in skip
-        ]
+        return [r for r in self.watcher.workers(role=role, state=ACTIVE) if r.worker_id not in skip]
 
     def pick_decode_worker(self, current: str) -> str | None:
         """An Active decode worker other than ``current`` (most KV blocks first), or None."""
-        candidates = self.active_peers("decode", exclude=current)
+        candidates = self.active_peers(DECODE, exclude=current)
         if not candidates:
             return None
         return max(candidates, key=lambda r: r.kv_total_blocks).worker_id
@@ -298,7 +292,7 @@ class WorkerRuntime(Service):
         """An Active decode worker other than ``current`` whose telemetry shows room for
         ``job`` now (decode_choice.pick_with_capacity), or None."""
         return pick_with_capacity(
-            self.active_peers("decode", exclude=current),
+            self.active_peers(DECODE, exclude=current),
             self.telemetry.decode_views,
             time.monotonic(),
             prompt_tokens=job.prompt_len,
@@ -307,7 +301,7 @@ class WorkerRuntime(Service):
 
     async def _on_migrate(self, msg: MigrateRequest) -> AdmitReply:
         self._check_vocab(msg.generated_token_ids, "generated_token_ids")
-        if self.role != "decode" or self.state != "active":
+        if self.role != DECODE or self.state != ACTIVE:
             return AdmitReply(ok=False, error=f"worker is {self.role}/{self.state}")
         return self.decode.admit_migration(msg)
 

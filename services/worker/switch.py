@@ -30,7 +30,8 @@ from services.worker.migration import migrate_out
 from services.worker.switch_lease import SwitchLease
 from shared.bus.errors import BusError
 from shared.errors import BlockStateError
-from shared.messages import Ack, Role, StateEvent, SwitchCommand, SwitchReply
+from shared.messages import Ack, StateEvent, SwitchCommand, SwitchReply
+from shared.policy.roles import ACTIVE, DECODE, DRAIN, FAILED, PREFILL, SWITCH, Role, WorkerState
 
 if TYPE_CHECKING:
     from services.worker.runtime import WorkerRuntime
@@ -66,12 +67,12 @@ class RoleSwitcher:
         """Validate, take the controller's lease (switch_lease.py) and start a switch;
         answer without waiting for it. Refused commands change nothing."""
         rt = self.rt
-        if rt.state == "active" and self.task is not None and not self.task.done():
+        if rt.state == ACTIVE and self.task is not None and not self.task.done():
             # The last switch is back to "active" and only finishing its state writes:
             # let them land first, so the registry sees the states in order.
             await asyncio.wait([self.task], timeout=_FINISHING_S)
         busy = self._starting or (self.task is not None and not self.task.done())
-        if rt.state != "active" or busy:
+        if rt.state != ACTIVE or busy:
             return SwitchReply(ok=False, error=f"a switch is already running (state {rt.state})")
         if cmd.role == rt.role:
             return SwitchReply(ok=False, error=f"worker {rt.cfg.worker_id} is already {rt.role}")
@@ -81,7 +82,7 @@ class RoleSwitcher:
             refusal = await self.lease.acquire(from_role, cmd.role)
         finally:
             self._starting = False
-        if refusal is None and (rt.state != "active" or rt.role != from_role):
+        if refusal is None and (rt.state != ACTIVE or rt.role != from_role):
             refusal = f"worker {rt.cfg.worker_id} changed meanwhile (state {rt.state})"
             await self.lease.release(rt.role)
         if refusal is not None:
@@ -89,11 +90,11 @@ class RoleSwitcher:
         self.task = asyncio.ensure_future(self._run(rt.role, cmd.role))
         return SwitchReply(ok=True, from_role=rt.role, to_role=cmd.role)
 
-    async def set_state(self, state: str, reason: str) -> None:
+    async def set_state(self, state: WorkerState, reason: str) -> None:
         """Set the worker's state, write it to the registry and publish a StateEvent.
         A failure to publish is logged, never raised."""
         rt = self.rt
-        if rt.state == "failed":
+        if rt.state == FAILED:
             return  # terminal (engine failure): nothing overrides it
         old, rt.state = rt.state, state
         event = StateEvent(
@@ -140,13 +141,13 @@ class RoleSwitcher:
                 await rt.telemetry.follow_role(from_role)
         rt.prefill.admitting = rt.decode.admitting = True
         await self.lease.release(rt.role)  # before "active": a next command may come at once
-        await self.set_state("active", reason)
+        await self.set_state(ACTIVE, reason)
 
     async def _switch(self, from_role: Role, to_role: Role) -> None:
         rt = self.rt
         t0 = time.perf_counter()
-        await self.set_state("drain", f"switch {from_role}->{to_role}")
-        if from_role == "prefill":
+        await self.set_state(DRAIN, f"switch {from_role}->{to_role}")
+        if from_role == PREFILL:
             rt.prefill.admitting = False
             await self._hand_off_queue()
             drained = await self._wait(
@@ -170,7 +171,7 @@ class RoleSwitcher:
             log.warning("switch_cancelled", worker_id=rt.cfg.worker_id, reason="drain timeout")
             await self._roll_back(from_role, "switch cancelled: drain deadline")
             return
-        await self.set_state("switch", f"{from_role}->{to_role}")
+        await self.set_state(SWITCH, f"{from_role}->{to_role}")
         t_reslice = time.perf_counter()
         lent_blocks = self._reslice(to_role)
         reslice_s = time.perf_counter() - t_reslice
@@ -178,7 +179,7 @@ class RoleSwitcher:
         await rt.telemetry.follow_role(to_role)
         rt.prefill.admitting = rt.decode.admitting = True
         await self.lease.release(to_role)  # before "active": a next command may come at once
-        await self.set_state("active", f"now {to_role}")
+        await self.set_state(ACTIVE, f"now {to_role}")
         self.switches_total += 1
         self.last_durations_ms = {
             "drain_ms": (t_drain - t0) * 1e3,
@@ -224,7 +225,7 @@ class RoleSwitcher:
         (each request is settled by ``migrate_out`` either way: never left frozen)."""
         rt = self.rt
         dec = rt.decode
-        peers = [r.worker_id for r in rt.active_peers("decode")]
+        peers = [r.worker_id for r in rt.active_peers(DECODE)]
         if not peers:
             return True  # fall back to waiting, bounded by the drain deadline
         step_s = max(dec.last_step_s, 1e-3)
@@ -248,7 +249,7 @@ class RoleSwitcher:
         """Give queued prefill requests to other Active prefill workers, keeping deadlines."""
         rt = self.rt
         jobs = rt.prefill.take_queued()
-        targets = [r.worker_id for r in rt.active_peers("prefill")]
+        targets = [r.worker_id for r in rt.active_peers(PREFILL)]
         for i, job in enumerate(jobs):
             placed = False
             for k in range(len(targets)):

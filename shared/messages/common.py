@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from shared.messages.schema import Message, MessageError
 
-Role = Literal["prefill", "decode"]
-ROLES: tuple[Role, ...] = ("prefill", "decode")
+# Defined once in the policy layer (the bottom one); re-exported for message users.
+from shared.policy.roles import ROLES as ROLES
+from shared.policy.roles import Role as Role
 
 MAX_STOP_TOKEN_IDS = 64
 MAX_ERROR_CHARS = 2048
