@@ -308,3 +308,7 @@ async def test_lm_eval_style_loglikelihood_request(cluster: Cluster, want: Any) 
         refs = [r["logprob"] for r in want["prompt_logprobs"][1:]]
         assert all(abs(a - b) < TOL for a, b in zip(ctx, refs, strict=True)), path
         assert abs(lp.token_logprobs[-1] - want["logprobs"][0]["logprob"]) < TOL
+        plain = await client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=2, temperature=0, echo=True
+        )
+        assert plain.choices[0].text.startswith(PROMPT) and plain.choices[0].logprobs is None
