@@ -46,6 +46,7 @@ class GenerationRequest:
     logprobs: int | None = None
     echo: bool = False
     n: int = 1  # choices, each sampled with its own seed derived from ``seed``
+    best_of: int = 1  # samples drawn (>= n); the n with the highest cumulative logprob return
 
 
 def _is_int(value: Any) -> bool:
@@ -128,10 +129,11 @@ def _common(body: Any, model_name: str) -> dict[str, Any]:
             f"the model '{model}' does not exist; this server serves '{model_name}'", param="model"
         )
     n = _get_int(body, "n", 1, MAX_N) or 1
-    best_of = _get_int(body, "best_of", 1, MAX_N)
-    if best_of not in (None, n):
-        # best_of > n needs a ranking of whole samples by cumulative logprob: not built.
-        raise BadRequest("'best_of' must equal 'n' (or be omitted)", param="best_of")
+    best_of = _get_int(body, "best_of", 1, MAX_N) or n
+    if best_of < n:
+        raise BadRequest("'best_of' must be >= 'n'", param="best_of")
+    if best_of > n and body.get("stream"):
+        raise BadRequest("'best_of' > 'n' cannot be streamed", param="best_of")
     for name in ("frequency_penalty", "presence_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise BadRequest(f"'{name}' is not supported (must be 0)", param=name)
@@ -152,6 +154,7 @@ def _common(body: Any, model_name: str) -> dict[str, Any]:
         "include_usage": include_usage,
         "timestamps": _get_bool(body, "fluidpd_timestamps"),
         "n": n,
+        "best_of": best_of,
     }
 
 
