@@ -70,6 +70,7 @@ t0=$(date +%s)
 run_lm_eval served local-completions \
   "model=smollm2-135m,base_url=http://127.0.0.1:$PORT/v1/completions,tokenizer_backend=huggingface,tokenizer=$TOKDIR,tokenized_requests=True,num_concurrent=1,max_retries=3"
 t1=$(date +%s)
+kill -TERM $UP; wait $UP || true; trap - EXIT  # the cluster's cores go to the HF run
 run_lm_eval hf hf "pretrained=$(dirname "$GGUF"),gguf_file=$(basename "$GGUF"),tokenizer=$TOKDIR,dtype=float32" \
   --device cpu
 t2=$(date +%s)

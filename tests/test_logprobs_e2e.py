@@ -244,6 +244,30 @@ async def test_n3_seeded_is_distinct_reproducible_and_frees_blocks(
         for c in chunk.choices:
             streamed[c.index] += c.text
     assert streamed == first  # the same three choices, streamed interleaved
+    # best_of 3, n 1: the one of those three samples with the highest cumulative logprob.
+    scored = await client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=1.0,
+        n=3,
+        seed=1234,
+        logprobs=0,
+        extra_body={"ignore_eos": True},
+    )
+    totals = {c.text: sum(c.logprobs.token_logprobs) for c in scored.choices}
+    best = await client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=1.0,
+        n=1,
+        best_of=3,
+        seed=1234,
+        extra_body={"ignore_eos": True},
+    )
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.choices[0].text == max(totals, key=totals.__getitem__)
     await _all_blocks_free(bus)
 
 
@@ -308,3 +332,7 @@ async def test_lm_eval_style_loglikelihood_request(cluster: Cluster, want: Any) 
         refs = [r["logprob"] for r in want["prompt_logprobs"][1:]]
         assert all(abs(a - b) < TOL for a, b in zip(ctx, refs, strict=True)), path
         assert abs(lp.token_logprobs[-1] - want["logprobs"][0]["logprob"]) < TOL
+        plain = await client.completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=2, temperature=0, echo=True
+        )
+        assert plain.choices[0].text.startswith(PROMPT) and plain.choices[0].logprobs is None

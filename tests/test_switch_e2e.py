@@ -151,10 +151,10 @@ async def test_d_to_p_live_migration_keeps_streams_exact(
     rng = random.Random(21)
     prompts = [[rng.randrange(4, 300) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
     n = 150
-    want = [
-        o.token_ids for o in generate(ref, prompts, SamplingParams(max_tokens=n, ignore_eos=True))
-    ]
-    rids = [await client.submit("p0", "d1", p, n) for p in prompts]
+    # Asking for logprobs too: the peer goes on computing them after the move.
+    outs = generate(ref, prompts, SamplingParams(max_tokens=n, ignore_eos=True, logprobs=2))
+    want = [o.token_ids for o in outs]
+    rids = [await client.submit("p0", "d1", p, n, logprobs=2) for p in prompts]
     # Switch once every request is decoding on d1 (some tokens streamed already).
     await client.wait_telemetry(
         lambda t: all(
@@ -169,6 +169,12 @@ async def test_d_to_p_live_migration_keeps_streams_exact(
         assert got.error is None
         assert got.indices == list(range(n)), "a gap or a repeated token in the stream"
         assert got.token_ids == w
+    for got, o in zip(results, outs, strict=True):
+        assert len(got.logprobs) == n
+        assert all(
+            abs(a.logprob - b.logprob) < 1e-4 and a.top_ids == b.top_ids
+            for a, b in zip(got.logprobs, o.logprobs, strict=True)
+        )
     assert client.watcher is not None
     await client.watcher.wait_until(
         lambda w: (r := w.get("d1")) is not None and r.role == "prefill" and r.state == "active",

@@ -62,6 +62,7 @@ class Choice:
         self._req = req
         self._echo_pending = req.echo
         self.finish_reason: str | None = None  # set by the handler at the end
+        self.cumulative_logprob = 0.0  # of the tokens in the text (ranks best_of samples)
 
     def feed(self, chunk: StreamChunk) -> list[str]:
         """New text pieces from ``chunk`` (the echoed prompt first). Mutates self."""
@@ -75,6 +76,7 @@ class Choice:
             taken = self.text.num_tokens - before
             for tok, lp in zip(chunk.token_ids[:taken], chunk.logprobs[:taken], strict=True):
                 self.logprobs.add(tok, lp)
+                self.cumulative_logprob += lp.logprob if lp is not None else 0.0
         return pieces
 
     def _echo(self) -> str:

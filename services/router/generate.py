@@ -170,12 +170,15 @@ class GenerationHandler:
         if gate is not None:
             gate.check(prompt_len)  # before anything is sent or computed
         seed = req.seed if req.seed is not None else secrets.randbits(SEED_BITS)
-        if req.n > 1:
+        if req.best_of > 1:
             req = dataclasses.replace(req, seed=seed)
+        # best_of > n ranks the samples by cumulative logprob: ask for logprobs internally.
+        ranked = req.best_of > req.n and req.logprobs is None
+        base = dataclasses.replace(req, logprobs=0) if ranked else req
         choices: list[Choice] = []
         try:
-            for i in range(req.n):
-                sub = dataclasses.replace(req, seed=choice_seed(seed, i)) if i else req
+            for i in range(req.best_of):
+                sub = dataclasses.replace(base, seed=choice_seed(seed, i)) if i else base
                 entry = await self.dispatcher.submit(sub, max_tokens)
                 if gate is not None:
                     gate.note_sent(entry.prefill_id, prompt_len)
@@ -242,11 +245,18 @@ class GenerationHandler:
             if end.failed:
                 raise end_to_error(end)
         entry = choices[0].entry
+        done = list(zip(choices, results, strict=True))
+        if req.best_of > req.n:  # the n most likely samples, most likely first (as vLLM)
+            done = sorted(done, key=lambda d: -d[0].cumulative_logprob)[: req.n]
+            for i, (c, _) in enumerate(done):
+                c.index = i
+                if req.logprobs is None:
+                    c.logprobs = None  # asked internally only
         body = {
             **self._base(req, entry, chunk=False),
             "choices": [
                 self._choice(req, c, text, end.finish_reason, chunk=False)
-                for c, (text, end) in zip(choices, results, strict=True)
+                for c, (text, end) in done
             ],
             "usage": self._usage(choices),
         }

@@ -47,6 +47,7 @@ class GenerationRequest:
     logprobs: int | None = None
     echo: bool = False
     n: int = 1  # choices, each sampled with its own seed derived from ``seed``
+    best_of: int = 1  # samples drawn (>= n); the n with the highest cumulative logprob return
 
 
 def _is_int(value: Any) -> bool:
@@ -130,10 +131,11 @@ def _common(body: Any, model_name: str, kind: Literal["completion", "chat"]) -> 
         )
     check_fields(body, kind)  # anything we do not implement: 400, never ignored
     n = _get_int(body, "n", 1, MAX_N) or 1
-    best_of = _get_int(body, "best_of", 1, MAX_N)
-    if best_of not in (None, n):
-        # best_of > n needs a ranking of whole samples by cumulative logprob: not built.
-        raise BadRequest("'best_of' must equal 'n' (or be omitted)", param="best_of")
+    best_of = _get_int(body, "best_of", 1, MAX_N) or n
+    if best_of < n:
+        raise BadRequest("'best_of' must be >= 'n'", param="best_of")
+    if best_of > n and body.get("stream"):
+        raise BadRequest("'best_of' > 'n' cannot be streamed", param="best_of")
     stream_options = body.get("stream_options")
     include_usage = False
     if stream_options is not None:
@@ -151,6 +153,7 @@ def _common(body: Any, model_name: str, kind: Literal["completion", "chat"]) -> 
         "include_usage": include_usage,
         "timestamps": _get_bool(body, "fluidpd_timestamps"),
         "n": n,
+        "best_of": best_of,
     }
 
 
