@@ -3,12 +3,12 @@ its role, so concurrent switch commands cannot empty a role.
 
 A worker asks for a lease (``fluidpd.controller.switch_lease``) before it accepts any
 SwitchCommand, whoever sent it (the controller's own policy, ``fluidpd ctl switch``, a raw
-``nats req``). The controller grants it only if
-
-* no other switch out of the same role is in flight (one lease per source role), and
-* at least one *other* worker stays Active in that role: Active in the controller's
-  registry view, not holding a lease itself, and not just switched away from it (a
-  released lease remembers the worker's new role until the registry shows it).
+``nats req``). The controller grants it only if at least one *other* worker stays Active in
+the source role: Active in the controller's registry view, not holding a lease itself, and
+not just switched away from it (a released lease remembers the worker's new role until the
+registry shows it). Several switches out of one role may be in flight at once — FluidRole's
+sized moves (issue 16) switch k workers together — but every grant counts the ones already
+granted, so no interleaving of commands can take the last Active worker of a role.
 
 The worker releases its lease when the switch ends, done or rolled back. A lease of a
 worker that left the registry is dropped; one never released expires after ``ttl_s``
@@ -26,7 +26,7 @@ LEASE_TTL_S = 120.0
 
 @dataclass
 class _Lease:
-    worker_id: str
+    from_role: str
     to_role: str
     expires_s: float
 
@@ -36,7 +36,7 @@ class SwitchLeases:
 
     def __init__(self, ttl_s: float = LEASE_TTL_S) -> None:
         self.ttl_s = ttl_s
-        self._by_role: dict[str, _Lease] = {}  # source role -> the switch leaving it
+        self._leases: dict[str, _Lease] = {}  # worker id -> its switch in flight
         self._moved: dict[str, tuple[str, float]] = {}  # worker -> (role now, until)
 
     def acquire(
@@ -50,45 +50,34 @@ class SwitchLeases:
         """Grant ``worker_id`` a lease to leave ``from_role`` (None) or say why not
         (the refusal). ``workers``: the registry view. Records the lease when granted."""
         self._expire(now_s)
-        if any(lease.worker_id == worker_id for lease in self._by_role.values()):
+        if worker_id in self._leases:
             return f"worker {worker_id} is already switching"
-        held = self._by_role.get(from_role)
-        if held is not None:
-            return (
-                f"a switch out of {from_role} is already in flight ({held.worker_id}); "
-                "one at a time per role"
-            )
-        leasing = {lease.worker_id for lease in self._by_role.values()}
         staying = [
             r
             for r in workers
             if r.state == "active"
             and r.worker_id != worker_id
-            and r.worker_id not in leasing
+            and r.worker_id not in self._leases
             and self._role_of(r, now_s) == from_role
         ]
         if not staying:
             return f"switch would leave no active {from_role} worker"
-        self._by_role[from_role] = _Lease(worker_id, to_role, now_s + self.ttl_s)
+        self._leases[worker_id] = _Lease(from_role, to_role, now_s + self.ttl_s)
         return None
 
     def release(self, worker_id: str, role_now: str, now_s: float) -> None:
         """``worker_id``'s switch ended; it is in ``role_now``. Unknown ids are ignored."""
-        for role, lease in list(self._by_role.items()):
-            if lease.worker_id == worker_id:
-                del self._by_role[role]
+        self._leases.pop(worker_id, None)
         self._moved[worker_id] = (role_now, now_s + self.ttl_s)
 
     def forget(self, worker_id: str) -> None:
         """The worker left the registry: drop what it held."""
-        for role, lease in list(self._by_role.items()):
-            if lease.worker_id == worker_id:
-                del self._by_role[role]
+        self._leases.pop(worker_id, None)
         self._moved.pop(worker_id, None)
 
     def in_flight(self) -> dict[str, str]:
-        """Source role -> worker id of the switch leaving it."""
-        return {role: lease.worker_id for role, lease in self._by_role.items()}
+        """Worker id -> the source role of its switch in flight."""
+        return {worker_id: lease.from_role for worker_id, lease in self._leases.items()}
 
     def _role_of(self, record: WorkerRecord, now_s: float) -> str:
         """The worker's role, trusting a just-released lease over a registry view that
@@ -102,6 +91,6 @@ class SwitchLeases:
         return moved[0]
 
     def _expire(self, now_s: float) -> None:
-        for role, lease in list(self._by_role.items()):
+        for worker_id, lease in list(self._leases.items()):
             if lease.expires_s < now_s:
-                del self._by_role[role]
+                del self._leases[worker_id]
