@@ -223,13 +223,21 @@ def test_router_and_worker_flags_validate_and_bad_values_exit_2(
     assert "could not convert" in capsys.readouterr().err
     monkeypatch.delenv("FLUIDPD_SHED_TTFT_MULTIPLE")
 
-    cfg = WorkerConfig(worker_id="p0", role="prefill")
+    monkeypatch.setenv("FLUIDPD_CLUSTER_SECRET", "test-secret")  # workers refuse to start without
+    cfg = WorkerConfig(worker_id="p0", role="prefill", cluster_secret="s")
     assert (cfg.decode_wait_timeout_s, cfg.expire_margin) == (60.0, 10.0)
-    assert WorkerConfig(worker_id="p0", role="prefill", expire_margin_s=-1).expire_margin is None
+    assert (
+        WorkerConfig(
+            worker_id="p0", role="prefill", cluster_secret="s", expire_margin_s=-1
+        ).expire_margin
+        is None
+    )
     with pytest.raises(ValueError, match="decode_wait_timeout_s"):
-        WorkerConfig(worker_id="p0", role="prefill", decode_wait_timeout_s=0.0)
+        WorkerConfig(worker_id="p0", role="prefill", cluster_secret="s", decode_wait_timeout_s=0.0)
     with pytest.raises(ValueError, match="expire_margin_s"):
-        WorkerConfig(worker_id="p0", role="prefill", expire_margin_s=float("nan"))
+        WorkerConfig(
+            worker_id="p0", role="prefill", cluster_secret="s", expire_margin_s=float("nan")
+        )
     assert worker_main("prefill", ["--decode-wait-timeout-s", "0"]) == 2
     monkeypatch.setenv("FLUIDPD_EXPIRE_MARGIN_S", "soon")
     assert worker_main("prefill", []) == 2
