@@ -38,7 +38,7 @@ def parse_points(text: str) -> list[tuple[str, float]]:
     out = []
     for item in text.split(","):
         cfg, _, rps = item.strip().partition(":")
-        if cfg not in ("static", "token", "role", "full") or not rps:
+        if cfg not in ("static", "static-pressure", "token", "role", "full") or not rps:
             raise SystemExit(f"bad point {item!r}: want CONFIG:RPS, e.g. static:10")
         out.append((cfg, float(rps)))
     return out
