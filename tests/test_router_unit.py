@@ -410,6 +410,26 @@ class FakeWorkers:
                 finish_reason="length" if n == 1 else None,
             )
             await self.publish("p1", subj, [first, first])
+        elif self.mode == "handover":
+            # p1 streams the first token, then hands the decode part to d9 (a re-pairing);
+            # x9, never given the request, tries to slip a token in before d9 streams.
+            await self.publish("p1", subj, [TokenItem(request_id=rid, token_ids=(self.script[0],))])
+            forged = TokenItem(request_id=rid, index=1, token_ids=(self.script[0],))
+            await self.publish("x9", subj, [forged])
+            await self.publish(
+                "p1", subj, [TokenItem(request_id=rid, handed_to="d9", handed_role="decode")]
+            )
+            await self.publish("x9", subj, [forged])
+            rest = [
+                TokenItem(
+                    request_id=rid,
+                    index=i,
+                    token_ids=(self.script[i],),
+                    finish_reason="length" if i == n - 1 else None,
+                )
+                for i in range(1, n)
+            ]
+            await self.publish("d9", subj, rest)
 
     async def on_cancel(self, msg: CancelRequest) -> None:
         self.cancels.append(msg.request_id)
@@ -526,6 +546,19 @@ async def test_worker_error_maps_to_503_with_retry_after(cluster) -> None:  # ty
     )
     assert status == 503 and payload["error"]["code"] == "kv_capacity_exhausted"
     assert headers.get("Retry-After") == "1"
+
+
+async def test_a_bound_worker_hands_the_stream_on_and_no_one_else_can(  # type: ignore[no-untyped-def]
+    cluster, tokenizer
+) -> None:
+    router, fake, _ = cluster
+    fake.mode = "handover"
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": len(fake.script), "temperature": 0}
+    status, payload, _ = await post(router, "/v1/completions", body)
+    assert status == 200, payload
+    assert payload["choices"][0]["text"] == tokenizer.decode(fake.script)
+    foreign = router.metrics.foreign_token_items_total._value.get()
+    assert foreign >= 2  # x9's items, before and after the hand-over
 
 
 async def test_worker_leaving_ends_its_requests(cluster) -> None:  # type: ignore[no-untyped-def]

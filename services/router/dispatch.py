@@ -51,6 +51,12 @@ class InFlight:
     max_tokens: int
     cancelled: bool = field(default=False)
     sent_s: float = 0.0  # wall clock when the request was handed to the bus
+    # Every worker the request was given to: the pair, then whoever a member handed it to
+    # (TokenItem.handed_to). Only members may stream its tokens or hand it on.
+    custody: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.custody.update((self.prefill_id, self.decode_id))
 
 
 class Dispatcher:
@@ -88,6 +94,9 @@ class Dispatcher:
                 if not self._may_publish(entry, batch.publisher_id):
                     foreign += 1
                     continue
+                if item.handed_to is not None:
+                    self._hand_over(entry, batch.publisher_id, item.handed_to, item.handed_role)
+                    continue
                 if item.token_ids or item.finish_reason is not None:
                     # Admitted and running (or over): the decode worker's telemetry now
                     # counts it, so the pairing stops counting it as in flight to it.
@@ -105,13 +114,36 @@ class Dispatcher:
         may; another worker only as the target of a live migration: it is an Active decode
         worker and the request's decode worker no longer is (it drains). Mutates
         ``entry.decode_id`` then, so worker-loss handling follows the request."""
-        if publisher_id in (entry.prefill_id, entry.decode_id):
+        if publisher_id in entry.custody:
             return True
         active = {w.worker_id for w in self._workers("decode")}
         if publisher_id in active and entry.decode_id not in active:
             entry.decode_id = publisher_id
+            entry.custody.add(publisher_id)
             return True
         return False
+
+    @staticmethod
+    def _hand_over(entry: InFlight, publisher_id: str, to_id: str, role: str | None) -> None:
+        """``publisher_id`` (already checked to be in ``entry``'s custody: only a worker the
+        request was given to can rebind it) hands the ``role`` part of ``entry`` to
+        ``to_id``: a queue hand-off at a P->D switch, a re-pairing with another decode
+        worker. The notice comes before the new worker can stream anything (one
+        publisher's messages keep their order through nats-server). Mutates ``entry``."""
+        if role == "prefill":
+            entry.prefill_id = to_id
+        elif role == "decode":
+            entry.decode_id = to_id
+        else:
+            return
+        entry.custody.add(to_id)
+        log.info(
+            "request_handed_over",
+            request_id=entry.request_id,
+            publisher=publisher_id,
+            to=to_id,
+            role=role,
+        )
 
     def on_registry_change(self, change: RegistryChange) -> None:
         """A worker left: end the requests it still holds (prefill side: only requests

@@ -16,14 +16,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from services.worker.prefill_job import PrefillJob
 from shared.bus import Bus
 from shared.bus.errors import BusError, RemoteError
 from shared.messages import AdmitReply, AdmitRequest, Subjects
+from shared.policy.roles import Role
 
 Fail = Callable[[PrefillJob, str, str], None]  # (job, error text, error code)
+# (job, new worker, part): tells the router before the new worker can stream (prefill_role).
+HandOver = Callable[[PrefillJob, str, Role], Awaitable[None]]
 
 
 class DecodeAdmission:
@@ -39,6 +42,7 @@ class DecodeAdmission:
         timeout_s: float,
         decode_wait_s: float,
         fail: Fail,
+        hand_over: HandOver,
         observe_stage: Callable[[str, float], None],
     ) -> None:
         self.worker_id = worker_id
@@ -47,6 +51,7 @@ class DecodeAdmission:
         self.timeout_s = timeout_s
         self.decode_wait_s = decode_wait_s
         self._fail = fail
+        self._hand_over = hand_over
         self._observe_stage = observe_stage
         # Re-pairing: an Active decode worker to use instead of the given one (or None).
         self.repair: Callable[[str], str | None] | None = None
@@ -143,6 +148,7 @@ class DecodeAdmission:
                     if other is not None:
                         self.repaired_for_capacity_total += 1
             if other is not None:
+                await self._hand_over(job, other, "decode")
                 msg = dataclasses.replace(msg, decode_worker_id=other)
                 job.msg = msg
                 subject = self.subjects.worker_admit(other)

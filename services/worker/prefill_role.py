@@ -50,6 +50,7 @@ from shared.messages import (
     TokenItem,
 )
 from shared.policy.admission import SheddingConfig, is_expired
+from shared.policy.roles import Role
 from shared.transfer.sender import KVSender
 
 _MAX_EARLY_CANCELS = 4096  # bounded memory of ids cancelled before their request came
@@ -97,6 +98,7 @@ class PrefillRole(PrefillHandoff):
             timeout_s=admit_timeout_s,
             decode_wait_s=decode_wait_s,
             fail=self._fail,
+            hand_over=self.hand_over,
             # Looked up per call: the runtime installs the observer after construction.
             observe_stage=lambda stage, s: self.observe_stage(stage, s),
         )
@@ -358,6 +360,16 @@ class PrefillRole(PrefillHandoff):
                 prompt_logprobs_start=1 if job.prompt_logprobs else 0,
                 prompt_logprobs=job.prompt_logprobs,
             ),
+        )
+        await self._flush_now()
+
+    async def hand_over(self, job: PrefillJob, to_worker_id: str, role: Role) -> None:
+        """Tell the router that ``to_worker_id`` now serves the ``role`` part of ``job``.
+        Returns once the notice is on the bus: call it before that worker can stream
+        anything for the job (the router drops items from workers it was not told of)."""
+        self.streamer.add(
+            job.msg.tokens_subject,
+            TokenItem(request_id=job.request_id, handed_to=to_worker_id, handed_role=role),
         )
         await self._flush_now()
 

@@ -255,12 +255,14 @@ class RoleSwitcher:
             for k in range(len(targets)):
                 target = targets[(i + k) % len(targets)]
                 try:
+                    await rt.prefill.hand_over(job, target, PREFILL)
                     await rt.bus.request(rt.subjects.worker_prefill(target), job.msg, Ack, 2.0)
                     placed = True
                     break
                 except (BusError, Exception):
                     continue
             if not placed:  # nobody took it: serve it here before switching
+                await rt.prefill.hand_over(job, rt.cfg.worker_id, PREFILL)
                 rt.prefill.queue.append(job)
                 rt.prefill.jobs[job.request_id] = job
                 rt.prefill.wakeup.set()

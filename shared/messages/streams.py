@@ -80,8 +80,16 @@ class TokenItem(Message):
     prompt_logprobs: tuple[TokenLogprob, ...] = field(
         default=(), metadata={"max_len": MAX_ITEM_TOKENS}
     )
+    # Chain of custody: the publisher, a worker the router has bound to this request, hands
+    # its ``handed_role`` part ("prefill" or "decode") to worker ``handed_to`` (a queue
+    # hand-off at a P->D switch, a re-pairing with another decode worker). The router then
+    # accepts that worker's items for the request; nobody else can rebind a stream.
+    handed_to: str | None = field(default=None, metadata=_ID)
+    handed_role: Role | None = None
 
     def check(self) -> None:
+        if (self.handed_to is None) != (self.handed_role is None):
+            raise MessageError("fields handed_to/handed_role: both or neither")
         if self.logprobs and len(self.logprobs) != len(self.token_ids):
             raise MessageError("field logprobs: one per token id when present")
         if self.prompt_logprobs_start < 0:
