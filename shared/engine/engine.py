@@ -109,12 +109,7 @@ class Engine:
         Writes the new tokens' KV into the blocks named by each step's block table.
         Raises ContextLengthError if a step runs past the context limit.
         """
-        for s in steps:
-            if s.context_len > self.max_model_len:
-                raise ContextLengthError(
-                    f"{s.seq_id}: {s.context_len} tokens exceed the context limit "
-                    f"{self.max_model_len}"
-                )
+        self._check_context(steps)
         batch = build_batch(steps, self.cfg.block_size, self.device)
         return self.model.forward(batch, self._kv_layers)
 
@@ -188,16 +183,20 @@ class Engine:
                 k += 1
         return out
 
-    def _forward_rows(self, steps: Seq[StepInput], rows: list[int] | None) -> torch.Tensor:
-        """``forward``, but logits for the flattened token ``rows`` (None: last of each)."""
-        if rows is None:
-            return self.forward(steps)
+    def _check_context(self, steps: Seq[StepInput]) -> None:
+        """Raises ContextLengthError for the first step past the context limit."""
         for s in steps:
             if s.context_len > self.max_model_len:
                 raise ContextLengthError(
                     f"{s.seq_id}: {s.context_len} tokens exceed the context limit "
                     f"{self.max_model_len}"
                 )
+
+    def _forward_rows(self, steps: Seq[StepInput], rows: list[int] | None) -> torch.Tensor:
+        """``forward``, but logits for the flattened token ``rows`` (None: last of each)."""
+        if rows is None:
+            return self.forward(steps)
+        self._check_context(steps)
         batch = build_batch(steps, self.cfg.block_size, self.device)
         batch = replace(
             batch, logits_indices=torch.tensor(rows, dtype=torch.long, device=self.device)
