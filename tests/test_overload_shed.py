@@ -1,8 +1,8 @@
 """SLO-aware admission on real processes (emulated engine at 10x its profile's time, real
 nats-server, UCX, routers over HTTP): an overloaded router answers 503 + Retry-After with
 an OpenAI-style error before any 200, for stream and non-stream; a prefill worker drops
-queued requests whose TTFT deadline passed with a 503 ``deadline_expired`` (stream or not:
-a stream's headers wait for its first token) and every block comes back.
+queued requests whose TTFT deadline passed with a clear ``deadline_expired`` error (a 503
+when no 200 was sent yet) and every block comes back.
 
 The overload is deterministic: a "hog" prompt whose predicted prefill (T_pre at 10x, ~3 s)
 is far beyond the 500 ms TTFT SLO is sent straight to the prefill worker, and the tests wait
@@ -127,11 +127,12 @@ async def test_deadline_expired_queued_work_is_dropped_and_its_blocks_freed(
         completion(session, cluster["open"], SHORT, 2, stream=True),
         completion(session, cluster["open"], SHORT, 2, stream=False),
     )
-    # No 200 sent yet: a plain 503 with Retry-After, also when streaming (a stream's headers
-    # wait for its first token).
-    for out in (streamed, whole):
-        assert (out.status, out.error_code) == (503, "deadline_expired"), out
-        assert out.retry_after is not None, out
+    # No 200 sent yet: a plain 503 with Retry-After. A stream's 200 and its headers go out at
+    # once, so it ends with the same typed error in-band.
+    assert (whole.status, whole.error_code) == (503, "deadline_expired"), whole
+    assert whole.retry_after is not None, whole
+    assert (streamed.status, streamed.error_code) == (200, "deadline_expired"), streamed
+    assert streamed.first_token_s is None, streamed  # nothing was computed for it
     assert (await client.result(hog, timeout_s=30)).finish_reason == "length"
     await client.wait_telemetry(
         lambda t: _idle(t) and t["pe"].metrics["expired_total"] == expired0 + 2, 30.0

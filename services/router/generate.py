@@ -268,12 +268,21 @@ class GenerationHandler:
         self, request: web.Request, req: GenerationRequest, choices: list[Choice]
     ) -> web.StreamResponse:
         """SSE: each choice's chunks as they come (``index`` tells them apart), then the
-        usage (if asked) and ``[DONE]``. A failed choice ends the stream with an error.
+        usage (if asked) and ``[DONE]``. A failed choice ends the stream with an error."""
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        base = self._base(req, choices[0].entry, chunk=True)
+        usage_null = {"usage": None} if req.include_usage else {}
 
-        The 200 and its headers wait for the first step of any choice: a request that ends
-        before anything was produced for it (dropped past its deadline, its worker gone)
-        gets a plain error status (503 + Retry-After) instead of an in-band error after a
-        200 (issue 16). Raises ApiError then."""
+        async def send(payload: dict[str, Any]) -> None:
+            await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+        if req.kind == "chat":
+            for c in choices:
+                first = self._choice(req, c, "", None, True, first=True)
+                await send({**base, "choices": [first], **usage_null})
         steps: asyncio.Queue[tuple[Choice, str, StreamEnd | None]] = asyncio.Queue()
 
         async def pump(c: Choice) -> None:
@@ -285,28 +294,9 @@ class GenerationHandler:
 
         pumps = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
-            head = await steps.get()
-            c, delta, end = head
-            if end is not None and end.failed and not delta and not c.text.num_tokens:
-                raise end_to_error(end)
-            response = web.StreamResponse(
-                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-            )
-            await response.prepare(request)
-            base = self._base(req, choices[0].entry, chunk=True)
-            usage_null = {"usage": None} if req.include_usage else {}
-
-            async def send(payload: dict[str, Any]) -> None:
-                await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-            if req.kind == "chat":
-                for ch in choices:
-                    first = self._choice(req, ch, "", None, True, first=True)
-                    await send({**base, "choices": [first], **usage_null})
             open_choices = len(choices)
-            pending: list[tuple[Choice, str, StreamEnd | None]] = [head]
             while open_choices:
-                c, delta, end = pending.pop() if pending else await steps.get()
+                c, delta, end = await steps.get()
                 if end is not None and end.failed:
                     if delta:
                         part = self._choice(req, c, delta, None, True)
