@@ -15,6 +15,7 @@ from services.common.logging import configure_logging
 from services.common.service import announce_ready
 from services.router.config import PAIRING_POLICIES, RouterConfig, default_router_id
 from shared.aio import run
+from shared.policy.admission import DEFAULT_TTFT_MULTIPLE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shed-ttft-multiple",
         type=float,
-        default=float(env("FLUIDPD_SHED_TTFT_MULTIPLE", "2")),
+        default=float(env("FLUIDPD_SHED_TTFT_MULTIPLE", str(DEFAULT_TTFT_MULTIPLE))),
         help="503 + Retry-After when the predicted TTFT exceeds this multiple of the "
         "TTFT SLO (0: never shed)",
     )

@@ -7,6 +7,8 @@ import re
 import socket
 from dataclasses import dataclass, field
 
+from shared.policy.admission import DEFAULT_TTFT_MULTIPLE
+
 PAIRING_POLICIES = ("pressure", "round_robin")
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 
@@ -48,7 +50,7 @@ class RouterConfig:
     telemetry_stale_s: float = 1.0
     # Shed (503 + Retry-After) when the predicted TTFT exceeds this multiple of the TTFT SLO
     # (services/router/admission.py); 0 turns shedding off.
-    shed_ttft_multiple: float = 2.0
+    shed_ttft_multiple: float = DEFAULT_TTFT_MULTIPLE
     # ... and when every decode worker has this many batches (× max_num_seqs) of requests
     # waiting for decode admission; 0 turns it off.
     shed_decode_backlog: float = 1.0

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from shared.policy.errors import PolicyConfigError
 from shared.policy.predictors import LatencyProfile
 
+# The one default, read by the router's config and flag too.
+DEFAULT_TTFT_MULTIPLE = 2.0
+
 
 @dataclass(frozen=True, slots=True)
 class SheddingConfig:
@@ -23,7 +26,7 @@ class SheddingConfig:
     door). ``expire_margin_s``: a queued prefill is dropped once its TTFT deadline has passed
     by this much (None = never drop)."""
 
-    ttft_multiple: float = 2.0
+    ttft_multiple: float = DEFAULT_TTFT_MULTIPLE
     expire_margin_s: float | None = 5.0
 
     def __post_init__(self) -> None:
