@@ -16,11 +16,10 @@ from services.router.pairing import (
     PressureConfig,
     PressurePolicy,
     RoundRobinPolicy,
-    decode_score,
     make_policy,
-    prefill_score,
 )
 from shared.messages import Role, WorkerRecord, WorkerTelemetry
+from shared.policy.pairing import decode_score, prefill_score
 from shared.policy.predictors import example_profile
 
 PROFILE = dataclasses.replace(example_profile(), prefill_c1_s_per_token=1 / 1024, prefill_c0_s=0.0)

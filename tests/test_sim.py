@@ -8,11 +8,12 @@ from dataclasses import replace
 
 import pytest
 
-from services.bench.workloads import TraceRequest, build_workload
+from services.bench.workloads import build_workload
 from services.sim import SimConfig, Simulation, config_for, run_config, run_oracle
 from shared.engine.profiles import load_profile
 from shared.policy.admission import SheddingConfig
 from shared.policy.config import PolicyConfig
+from shared.trace_request import TraceRequest
 
 PROFILE = load_profile()  # the shipped Llama-3.1-8B / A100 profile, untouched
 SLO_TTFT_S, SLO_TPOT_S = 2.0, 0.1

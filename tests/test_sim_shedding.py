@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import math
 
-from services.bench.workloads import TraceRequest
 from services.sim import SimConfig, Simulation, config_for
 from shared.engine.profiles import load_profile
 from shared.policy.admission import SheddingConfig
 from shared.policy.pressure import admission_kv_tokens
+from shared.trace_request import TraceRequest
 
 PROFILE = load_profile()
 TTFT_S, TPOT_S = 2.0, 0.1

@@ -35,12 +35,13 @@ arrives at 0.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import date
 from importlib import resources
 from typing import Any
 
 from shared.errors import InvalidRequestError
+from shared.trace_request import TraceRequest
 
 CODE = "code"
 CONVERSATION = "conversation"
@@ -62,18 +63,6 @@ class WorkloadError(InvalidRequestError):
     trace, non-positive rate...)."""
 
     code = "invalid_workload"
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    """One request to replay. ``window`` is the stage index (azure-staged: 0, 1, 2; azure-
-    mixed: 0); ``output_tokens`` is forced (max_tokens, EOS ignored), always >= 1."""
-
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    source: str
-    window: int = 0
 
 
 def window_of(request: TraceRequest) -> str:

@@ -28,9 +28,10 @@ ours, so a message received at ``t`` is taken to reflect the sends made up to
 ``t − telemetry_lag_s`` (NATS transit both ways plus the snapshot); later sends stay counted
 until the next message. The approximation errs toward over-counting for one period.
 
-``prefill_score`` / ``decode_score`` are pure and shared with the simulator
-(services/sim/router.py), so both rank workers the same way. Deterministic: ids break
-every remaining tie. Only records in state ``active`` are candidates (callers pass them).
+``prefill_score`` / ``decode_score`` (shared/policy/pairing.py) are pure and shared with
+the simulator (services/sim/router.py), so both rank workers the same way. Deterministic:
+ids break every remaining tie. Only records in state ``active`` are candidates (callers
+pass them).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from typing import Protocol
 
 from shared.engine.profiles import load_profile
 from shared.messages import WorkerRecord, WorkerTelemetry
+from shared.policy.pairing import decode_score, prefill_score
 from shared.policy.predictors import LatencyProfile
 from shared.policy.pressure import admission_kv_tokens
 
@@ -72,35 +74,6 @@ class PairingPolicy(Protocol):
     def settle(self, request_id: str) -> None:
         """The request's first token came back (or it ended): see PressurePolicy.choose."""
         ...
-
-
-# ---------------------------------------------------------------- shared scoring
-def prefill_score(ppi: float, sent_work_s: float, ttft_s: float) -> float:
-    """Estimated PPI of a prefill worker: its telemetry PPI raised by the predicted prefill
-    work ``sent_work_s`` (Σ T_pre(L) of the requests sent since, eq. 2) over the TTFT budget
-    S_TTFT those requests arrived with (eq. 4 with t_ddl − t_now ≈ S_TTFT)."""
-    return ppi + sent_work_s / ttft_s
-
-
-def decode_score(
-    dpi_adm: float,
-    sent_kv_blocks: int,
-    total_blocks: int,
-    running: int = 0,
-    sent_requests: int = 0,
-    max_seqs: int = 0,
-) -> float:
-    """Estimated admission pressure of a decode worker: its DPI_adm (eq. 8) with the KV
-    blocks reserved by the requests sent since its telemetry counted as occupied
-    (1 − C_alloc / C_KV with C_alloc lowered), or — when ``max_seqs`` > 0 — the fraction of
-    its admission slots those requests and its ``running`` ones fill, whichever is larger.
-    Admission stops at either limit; ranking on KV alone sent bursts to a worker with free
-    KV and no free slot, where they blocked their prefill workers' queues (retrying)."""
-    kv = dpi_adm + sent_kv_blocks / max(1, total_blocks)
-    if max_seqs <= 0:
-        return kv
-    slots = (running + sent_requests) / max_seqs
-    return kv if kv > slots else slots
 
 
 def _candidates(records: Sequence[WorkerRecord], exclude: frozenset[str], role: str) -> list[str]:

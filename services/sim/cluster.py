@@ -44,7 +44,6 @@ from collections.abc import Sequence
 from itertools import islice
 from typing import cast
 
-from services.bench.workloads import TraceRequest
 from services.sim.config import SimConfig
 from services.sim.control import ControlPlane
 from services.sim.events import (
@@ -74,6 +73,7 @@ from shared.policy.pressure import (
     suffix_chunk_tokens,
     tpot_slack_s,
 )
+from shared.trace_request import TraceRequest
 
 
 class SimulationError(RuntimeError):

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from services.router.pairing import decode_score, prefill_score
 from services.sim.workers import SimRequest, SimWorker
 from shared.policy.fluidrole import DECODE, PREFILL
+from shared.policy.pairing import decode_score, prefill_score
 from shared.policy.predictors import LatencyProfile
 from shared.policy.pressure import admission_kv_tokens
 

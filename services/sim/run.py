@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from services.bench.workloads import TraceRequest
 from services.sim.cluster import Simulation
 from services.sim.config import ORACLE, STATIC, SimConfig, config_for
 from services.sim.results import SimResult, stitch
 from shared.policy.predictors import LatencyProfile
+from shared.trace_request import TraceRequest
 
 
 def run_config(
