@@ -169,7 +169,19 @@ class Simulation(ControlPlane):
                 self.on_drain_timeout(a, b)  # type: ignore[arg-type]
         if self.remaining != 0:  # < 0: some request completed twice
             raise SimulationError(f"{self.remaining} requests left open (negative: twice done)")
-        return SimResult.from_simulation(self, time.perf_counter() - started)
+        return SimResult.from_requests(
+            self.label,
+            self.reqs,
+            switches=self.switches,
+            stolen_tokens=self.stolen_tokens,
+            split_requests=self.split_requests,
+            refused_steals=self.refused_steals,
+            migrations=self.migrations,
+            series=self.series,
+            sim_time_s=self.now,
+            wall_s=time.perf_counter() - started,
+            events=self.events,
+        )
 
     # ---------------------------------------------------------------- arrivals
     def _arrival(self) -> None:

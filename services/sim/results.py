@@ -11,11 +11,11 @@ request shed at the router (``rejected``) or dropped from a prefill queue past i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from services.sim.cluster import Simulation
+from services.sim.workers import SimRequest
 
 INF = math.inf
 
@@ -45,9 +45,25 @@ class SimResult:
     notes: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_simulation(cls, sim: Simulation, wall_s: float) -> SimResult:
+    def from_requests(
+        cls,
+        label: str,
+        reqs: Sequence[SimRequest],
+        *,
+        switches: list[dict[str, Any]],
+        stolen_tokens: int,
+        split_requests: int,
+        refused_steals: int,
+        migrations: int,
+        series: dict[str, list[float]],
+        sim_time_s: float,
+        wall_s: float,
+        events: int,
+    ) -> SimResult:
+        """The result of a finished run: per-request latencies from ``reqs`` (in order), the
+        run's counters as given. Copies ``switches``; mutates nothing."""
         ttft, tpot = [], []
-        for r in sim.reqs:
+        for r in reqs:
             if r.failed or r.t_first < 0:
                 ttft.append(INF)
                 tpot.append(INF)
@@ -55,24 +71,24 @@ class SimResult:
             ttft.append(r.t_first - r.arrival_s)
             tpot.append((r.t_last - r.t_first) / (r.output - 1) if r.output > 1 else 0.0)
         return cls(
-            label=sim.label,
-            arrival_s=[r.arrival_s for r in sim.reqs],
+            label=label,
+            arrival_s=[r.arrival_s for r in reqs],
             ttft_s=ttft,
             tpot_s=tpot,
-            window=[r.window for r in sim.reqs],
-            source=[r.source for r in sim.reqs],
-            failed=[r.failed for r in sim.reqs],
-            rejected=[r.rejected for r in sim.reqs],
-            expired=[r.expired for r in sim.reqs],
-            switches=list(sim.switches),
-            stolen_tokens=sim.stolen_tokens,
-            split_requests=sim.split_requests,
-            refused_steals=sim.refused_steals,
-            migrations=sim.migrations,
-            series=sim.series,
-            sim_time_s=sim.now,
+            window=[r.window for r in reqs],
+            source=[r.source for r in reqs],
+            failed=[r.failed for r in reqs],
+            rejected=[r.rejected for r in reqs],
+            expired=[r.expired for r in reqs],
+            switches=list(switches),
+            stolen_tokens=stolen_tokens,
+            split_requests=split_requests,
+            refused_steals=refused_steals,
+            migrations=migrations,
+            series=series,
+            sim_time_s=sim_time_s,
             wall_s=wall_s,
-            events=sim.events,
+            events=events,
         )
 
     @property
