@@ -8,41 +8,17 @@ with prompt chunks run one SDPA per sequence with a causal mask offset by the ca
 (so a chunked prefill on top of existing KV sees exactly what an unsplit prefill sees).
 
 ``FlashInferPagedAttention`` (CUDA) lives in flashinfer_backend.py and is chosen by
-``make_attention`` when CUDA and flashinfer are both available.
+``make_attention`` when CUDA and flashinfer are both available. The contract both meet
+(``AttentionBackend``, ``write_kv``) is attention_backend.py, which both import.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 
+from shared.engine.attention_backend import AttentionBackend, write_kv
 from shared.engine.batch import ForwardBatch
-
-
-class AttentionBackend(Protocol):
-    name: str
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_layer: torch.Tensor,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        """q: [T, Hq, D]; k, v: [T, Hkv, D] (new tokens); kv_layer: [blocks, 2, bs, Hkv, D].
-
-        Mutates kv_layer (writes the new K/V). Returns attention output [T, Hq, D].
-        """
-        ...
-
-
-def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> None:
-    """Store the new tokens' K/V at their (block, offset) slots. Mutates ``kv_layer``."""
-    kv_layer[batch.slot_blocks, 0, batch.slot_offsets] = k
-    kv_layer[batch.slot_blocks, 1, batch.slot_offsets] = v
 
 
 class TorchPagedAttention:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from shared.engine.attention import write_kv
+from shared.engine.attention_backend import write_kv
 from shared.engine.batch import ForwardBatch
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024

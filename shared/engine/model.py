@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.engine.attention import AttentionBackend
+from shared.engine.attention_backend import AttentionBackend
 from shared.engine.batch import ForwardBatch
 from shared.engine.config import ModelConfig
 from shared.engine.linear import Linear, resolve_kernel
