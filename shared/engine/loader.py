@@ -31,6 +31,7 @@ from shared.models import (
 from shared.tokenizer import Tokenizer
 from shared.tokenizer.gguf_metadata import read_gguf_metadata
 from shared.tokenizer.gguf_tokenizer import tokenizer_from_gguf_metadata
+from shared.tokenizer.hf_dir import tokenizer_from_dir
 
 # Names and paths are shared/models.py's (the tokenizer resolves the same); re-exported here
 # for callers that load weights.
@@ -101,7 +102,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> LoadedM
     path = resolve(name_or_path)
     if path.is_dir():
         config, weights = load_hf_dir(path, dtype)
-        tokenizer = Tokenizer.from_dir(path)
+        tokenizer = tokenizer_from_dir(path)
     elif path.suffix == ".gguf":
         metadata = read_gguf_metadata(path)
         config, weights = load_gguf(path, dtype, metadata=metadata)

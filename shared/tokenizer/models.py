@@ -11,6 +11,8 @@ from pathlib import Path
 
 from shared.errors import ModelLoadError
 from shared.models import SMOLLM2_135M, TINY_NAMES, cached_build, local_path, smollm2_gguf_path
+from shared.tokenizer.gguf_tokenizer import tokenizer_from_gguf
+from shared.tokenizer.hf_dir import tokenizer_from_dir
 from shared.tokenizer.tokenizer import Tokenizer
 
 
@@ -25,12 +27,12 @@ def _tiny_tokenizer_dir() -> Path:
 def load_tokenizer(name_or_path: str) -> Tokenizer:
     """Tokenizer for a model name or path. Raises ModelLoadError naming what is missing."""
     if name_or_path in TINY_NAMES:  # one tokenizer for both tiny shapes
-        return Tokenizer.from_dir(_tiny_tokenizer_dir())
+        return tokenizer_from_dir(_tiny_tokenizer_dir())
     if name_or_path == SMOLLM2_135M:
-        return Tokenizer.from_gguf(smollm2_gguf_path())
+        return tokenizer_from_gguf(smollm2_gguf_path())
     path = local_path(name_or_path)
     if path.is_file() and path.suffix == ".gguf":
-        return Tokenizer.from_gguf(path)
+        return tokenizer_from_gguf(path)
     if path.is_dir():
-        return Tokenizer.from_dir(path)
+        return tokenizer_from_dir(path)
     raise ModelLoadError(f"{path}: expected an HF model directory or a .gguf file")

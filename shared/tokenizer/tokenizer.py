@@ -1,6 +1,8 @@
 """Tokenizer: a ``tokenizers.Tokenizer`` plus the chat template and special ids of one model.
 
 Must stay importable without torch or shared.engine: the router imports it at start-up.
+Built from files by ``tokenizer_from_dir`` (hf_dir.py) or ``tokenizer_from_gguf``
+(gguf_tokenizer.py), which import this module; by model name or path: models.py.
 """
 
 from __future__ import annotations
@@ -8,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import tokenizers
@@ -48,22 +49,6 @@ class Tokenizer:
         self._special_tokens = tokens
         self._chat_template = ChatTemplate(chat_template, tokens) if chat_template else None
         self._digest: str | None = None
-
-    # ---- constructors -------------------------------------------------------------------------
-
-    @classmethod
-    def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """Byte-level BPE rebuilt from a GGUF file's metadata. Raises ModelLoadError."""
-        from shared.tokenizer.gguf_tokenizer import tokenizer_from_gguf
-
-        return tokenizer_from_gguf(path)
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> Tokenizer:
-        """From an HF model directory (tokenizer.json + configs). Raises ModelLoadError."""
-        from shared.tokenizer.hf_dir import tokenizer_from_dir
-
-        return tokenizer_from_dir(path)
 
     # ---- properties ---------------------------------------------------------------------------
 
