@@ -145,7 +145,7 @@ class FakeWorker:
 
 def config(url: str, **policy: float) -> ControllerConfig:
     pol = PolicyConfig(decision_interval_s=0.1, **policy)
-    return ControllerConfig(nats_url=url, policy=pol, heartbeat_s=HEARTBEAT_S)
+    return ControllerConfig(bus=BusConfig.from_url(url), policy=pol, heartbeat_s=HEARTBEAT_S)
 
 
 @pytest.fixture
@@ -298,7 +298,9 @@ async def test_metrics_endpoint(nats_server: NatsServer) -> None:
 
     port = free_port()
     cfg = ControllerConfig(
-        nats_url=nats_server.url, policy=PolicyConfig(decision_interval_s=0.1), metrics_port=port
+        bus=BusConfig.from_url(nats_server.url),
+        policy=PolicyConfig(decision_interval_s=0.1),
+        metrics_port=port,
     )
     async with Controller(cfg) as ctl:
         await wait_for(lambda: ctl.decisions_total >= 1)

@@ -27,6 +27,7 @@ import pytest_asyncio
 from services.common.cluster import Cluster
 from services.router.app import PARSE_OFF_LOOP_BYTES, Router
 from services.router.config import RouterConfig
+from shared.bus import BusConfig
 from shared.tokenizer import Tokenizer
 from shared.tokenizer.models import load_tokenizer
 from tests.support.faults import (
@@ -117,7 +118,9 @@ def nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def router(nats: NatsServer) -> AsyncIterator[tuple[Router, ThreadSpyTokenizer]]:
     spy = ThreadSpyTokenizer(load_tokenizer("tiny"))
-    cfg = RouterConfig(port=0, nats_url=nats.url, subject_prefix="failrouter", model="tiny")
+    cfg = RouterConfig(
+        port=0, bus=BusConfig.from_url(nats.url), subject_prefix="failrouter", model="tiny"
+    )
     async with Router(cfg, tokenizer=spy) as r:  # type: ignore[arg-type]
         yield r, spy
 

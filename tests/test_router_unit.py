@@ -455,7 +455,7 @@ async def cluster(nats_server_module: NatsServer, tokenizer):  # type: ignore[no
         await reg.start()
     cfg = RouterConfig(
         port=0,
-        nats_url=nats_server_module.url,
+        bus=BusConfig.from_url(nats_server_module.url),
         subject_prefix=prefix,
         model=MODEL,
         pairing="round_robin",

@@ -10,7 +10,7 @@ from services.common.nats_server import free_port
 from services.common.service import Service, announce_ready
 from services.controller.config import ControllerConfig
 from services.controller.controller import Controller
-from shared.bus import BusError
+from shared.bus import BusConfig, BusError
 
 
 class _Probe(Service):
@@ -42,7 +42,7 @@ async def test_clean_exit_stops_once() -> None:
 
 
 async def test_controller_that_cannot_reach_nats_is_left_stopped() -> None:
-    ctl = Controller(ControllerConfig(nats_url=f"nats://127.0.0.1:{free_port()}"))
+    ctl = Controller(ControllerConfig(bus=BusConfig.from_url(f"nats://127.0.0.1:{free_port()}")))
     # Give up on the first connect after 1 s instead of the production 30 s.
     ctl.bus.config = dataclasses.replace(ctl.bus.config, initial_connect_deadline_s=1.0)
     with pytest.raises((BusError, OSError, TimeoutError)):

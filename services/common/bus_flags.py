@@ -38,11 +38,13 @@ def bus_config(
 ) -> BusConfig:
     """The BusConfig for these settings ("" = not set; a password counts only with a user).
 
-    Raises ValueError (one line, for the caller's exit 2) on an empty URL or settings that
-    cannot go together (e.g. a user and a creds file).
+    Raises ValueError (one line, for the caller's exit 2) on an empty URL, a user without a
+    password, or settings that cannot go together (e.g. a user and a creds file).
     """
     if not url.strip(","):
         raise ValueError("the NATS URL (--nats, FLUIDPD_NATS_URL) must not be empty")
+    if user and not password:
+        raise ValueError("--nats-user needs --nats-password (FLUIDPD_NATS_PASSWORD)")
     return BusConfig.from_url(
         url,
         **({"user": user, "password": password} if user else {}),

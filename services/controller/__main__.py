@@ -11,6 +11,7 @@ import sys
 
 import structlog
 
+from services.common.bus_flags import add_bus_flags, bus_config_from_args
 from services.common.logging import configure_logging
 from services.controller.config import ControllerConfig
 from services.controller.controller import run_until_signalled
@@ -23,11 +24,7 @@ from shared.policy.errors import PolicyConfigError
 def build_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m services.controller", description=__doc__)
-    p.add_argument("--nats", default=env("FLUIDPD_NATS_URL", "nats://127.0.0.1:4222"))
-    p.add_argument("--nats-user", default=env("FLUIDPD_NATS_USER", ""))
-    p.add_argument("--nats-password", default=env("FLUIDPD_NATS_PASSWORD", ""))
-    p.add_argument("--nats-creds", default=env("FLUIDPD_NATS_CREDS", ""))
-    p.add_argument("--nats-tls-ca", default=env("FLUIDPD_NATS_TLS_CA", ""))
+    add_bus_flags(p)
     p.add_argument("--subject-prefix", default=env("FLUIDPD_SUBJECT_PREFIX", "fluidpd"))
     p.add_argument(
         "--policy-config",
@@ -78,11 +75,7 @@ def config_from_args(argv: list[str] | None) -> ControllerConfig:
     if a.policy:  # validated by PolicyConfig (PolicyConfigError: one line, exit 2)
         policy = PolicyConfig.from_dict({**policy.to_dict(), "rules": a.policy})
     cfg = ControllerConfig(
-        nats_url=a.nats,
-        nats_user=a.nats_user,
-        nats_password=a.nats_password,
-        nats_creds=a.nats_creds,
-        nats_tls_ca=a.nats_tls_ca,
+        bus=bus_config_from_args(a),
         metrics_host=a.metrics_host,
         subject_prefix=a.subject_prefix,
         policy=policy,

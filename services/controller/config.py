@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.bus.config import BusConfig
 from shared.policy.config import PolicyConfig
 
 
@@ -18,11 +19,9 @@ class ControllerConfig:
     whether it is listed at all. ``metrics_port`` 0 means no /metrics endpoint.
     """
 
-    nats_url: str = "nats://127.0.0.1:4222"
-    nats_user: str = ""
-    nats_password: str = field(default="", repr=False)
-    nats_creds: str = ""
-    nats_tls_ca: str = ""
+    # How to reach NATS (services/common/bus_flags.py makes it from the --nats* flags); the
+    # controller names the connection after its id.
+    bus: BusConfig = field(default_factory=BusConfig)
     subject_prefix: str = "fluidpd"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     auto: bool = True
@@ -34,8 +33,6 @@ class ControllerConfig:
     controller_id: str = "controller"
 
     def __post_init__(self) -> None:
-        if not self.nats_url:
-            raise ValueError("nats_url must not be empty")
         for name in ("switch_timeout_s", "telemetry_stale_s", "heartbeat_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

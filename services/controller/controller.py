@@ -2,7 +2,7 @@
 
 Usage::
 
-    async with Controller(ControllerConfig(nats_url=url)) as ctl:
+    async with Controller(ControllerConfig(bus=BusConfig.from_url(url))) as ctl:
         await ctl.wait_closed()   # or do other things; exiting the block stops it
 
 Every ``decision_interval_s`` it builds a ClusterSnapshot (registry + latest telemetry),
@@ -15,6 +15,7 @@ request) only when ``auto`` is on; a refusal or timeout is logged and the loop c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ from services.controller.config import ControllerConfig
 from services.controller.leases import SwitchLeases
 from services.controller.metrics import ControllerMetrics
 from services.controller.status import WorkerBook
-from shared.bus import Bus, BusConfig, BusError, RemoteError
+from shared.bus import Bus, BusError, RemoteError
 from shared.bus.registry import RegistryChange, RegistryConfig, RegistryWatcher
 from shared.messages import (
     ControllerDecision,
@@ -58,15 +59,8 @@ class Controller(Service):
         self.policy.paused = not config.auto
         self.book = WorkerBook(config.policy.window_s, config.telemetry_stale_s)
         self.leases = SwitchLeases()
-        credentials: dict[str, Any] = {}
-        if config.nats_user:
-            credentials = {"user": config.nats_user, "password": config.nats_password}
-        elif config.nats_creds:
-            credentials = {"creds_file": config.nats_creds}
-        if config.nats_tls_ca:
-            credentials["tls_ca_file"] = config.nats_tls_ca
         self.bus = Bus(
-            BusConfig.from_url(config.nats_url, name=config.controller_id, **credentials),
+            dataclasses.replace(config.bus, name=config.controller_id),
             self.subjects,
             registry=self.metrics.registry,
         )
@@ -110,7 +104,7 @@ class Controller(Service):
         self._loop_task = asyncio.create_task(self._decision_loop(), name="controller-policy")
         log.info(
             "controller_started",
-            nats=self.config.nats_url.split("@")[-1],
+            nats=",".join(url.split("@")[-1] for url in self.config.bus.servers),
             auto=self.auto,
             decision_interval_s=self.config.decision_interval_s,
             metrics_port=self.config.metrics_port,

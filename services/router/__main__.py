@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 
+from services.common.bus_flags import add_bus_flags, bus_config_from_args
 from services.common.logging import configure_logging
 from services.common.service import announce_ready
 from services.router.config import PAIRING_POLICIES, RouterConfig, default_router_id
@@ -26,11 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--id", default=env("FLUIDPD_ROUTER_ID", "") or default_router_id())
     p.add_argument("--host", default=env("FLUIDPD_ROUTER_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=int(env("FLUIDPD_ROUTER_PORT", "8000")))
-    p.add_argument("--nats", default=env("FLUIDPD_NATS_URL", "nats://127.0.0.1:4222"))
-    p.add_argument("--nats-user", default=env("FLUIDPD_NATS_USER", ""))
-    p.add_argument("--nats-password", default=env("FLUIDPD_NATS_PASSWORD", ""))
-    p.add_argument("--nats-creds", default=env("FLUIDPD_NATS_CREDS", ""))
-    p.add_argument("--nats-tls-ca", default=env("FLUIDPD_NATS_TLS_CA", ""))
+    add_bus_flags(p)
     p.add_argument(
         "--api-key",
         default=env("FLUIDPD_API_KEY", ""),
@@ -77,11 +74,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         id=args.id,
         host=args.host,
         port=args.port,
-        nats_url=args.nats,
-        nats_user=args.nats_user,
-        nats_password=args.nats_password,
-        nats_creds=args.nats_creds,
-        nats_tls_ca=args.nats_tls_ca,
+        bus=bus_config_from_args(args),
         api_key=args.api_key,
         subject_prefix=args.subject_prefix,
         model=args.model,

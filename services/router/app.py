@@ -10,6 +10,7 @@ OpenAI-style JSON (4xx for bad input) and anything unexpected into a logged 500.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,7 @@ from services.router.openai_api import (
     resolve_max_tokens,
 )
 from services.router.pairing import PressurePolicy, make_policy
-from shared.bus import Bus, BusConfig
+from shared.bus import Bus
 from shared.bus.registry import RegistryWatcher
 from shared.errors import FluidPDError
 from shared.messages import Subjects, TokenBatch, WorkerRecord, WorkerTelemetry
@@ -122,15 +123,8 @@ class Router(Service):
         cfg = self.cfg
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, cfg.model)
-        bus_options: dict[str, Any] = {"name": cfg.id}
-        if cfg.nats_user:
-            bus_options.update(user=cfg.nats_user, password=cfg.nats_password)
-        if cfg.nats_creds:
-            bus_options["creds_file"] = cfg.nats_creds
-        if cfg.nats_tls_ca:
-            bus_options["tls_ca_file"] = cfg.nats_tls_ca
         self.bus = Bus(
-            BusConfig.from_url(cfg.nats_url, **bus_options), self.subjects, registry=self.registry
+            dataclasses.replace(cfg.bus, name=cfg.id), self.subjects, registry=self.registry
         )
         await self.bus.start()
         self.dispatcher = Dispatcher(

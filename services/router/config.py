@@ -7,6 +7,7 @@ import re
 import socket
 from dataclasses import dataclass, field
 
+from shared.bus.config import BusConfig
 from shared.policy.admission import DEFAULT_TTFT_MULTIPLE
 
 PAIRING_POLICIES = ("pressure", "round_robin")
@@ -32,11 +33,9 @@ class RouterConfig:
     id: str = field(default_factory=default_router_id)
     host: str = "127.0.0.1"
     port: int = 8000
-    nats_url: str = "nats://127.0.0.1:4222"
-    nats_user: str = ""
-    nats_password: str = field(default="", repr=False)
-    nats_creds: str = ""
-    nats_tls_ca: str = ""
+    # How to reach NATS (services/common/bus_flags.py makes it from the --nats* flags); the
+    # router names the connection after its id.
+    bus: BusConfig = field(default_factory=BusConfig)
     api_key: str = field(default="", repr=False)  # "": the OpenAI routes are open
     subject_prefix: str = "fluidpd"
     model: str = "smollm2-135m"
@@ -75,8 +74,6 @@ class RouterConfig:
             raise ValueError(
                 f"shed_decode_backlog must be >= 0 (0: off), got {self.shed_decode_backlog}"
             )
-        if bool(self.nats_user) != bool(self.nats_password):
-            raise ValueError("nats_user and nats_password go together")
         for name in (
             "ttft_slo_ms",
             "request_timeout_s",
