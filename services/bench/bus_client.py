@@ -34,7 +34,7 @@ from shared.messages import (
     TokenLogprob,
     WorkerTelemetry,
 )
-from shared.messages.common import Role
+from shared.policy.roles import ACTIVE, Role
 
 
 @dataclass
@@ -160,7 +160,7 @@ class BenchBusClient:
         assert self.watcher is not None
         want = set(ids)
         await self.watcher.wait_until(
-            lambda w: want <= {r.worker_id for r in w.workers(state="active")}, timeout_s
+            lambda w: want <= {r.worker_id for r in w.workers(state=ACTIVE)}, timeout_s
         )
 
     async def wait_telemetry(

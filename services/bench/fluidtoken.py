@@ -19,6 +19,7 @@ from services.bench.loadgen import PlannedRequest, run_open_loop, summarize
 from services.common.cluster import Cluster, ClusterSpec
 from services.common.nats_server import free_port
 from shared.policy.config import PolicyConfig
+from shared.policy.roles import DECODE
 
 
 def burst_plan(
@@ -100,7 +101,7 @@ def _stolen_tokens(nats_url: str) -> float:
             reply = await bus.request(
                 subjects.controller_status(), StatusRequest(), StatusReply, 5.0
             )
-        return float(sum(row.stolen_tokens for row in reply.workers if row.role == "decode"))
+        return float(sum(row.stolen_tokens for row in reply.workers if row.role == DECODE))
 
     try:
         return asyncio.run(ask())

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from shared.policy.roles import DECODE, PREFILL
+
 
 def _sampler_main(nats_url: str, bucket_s: float, out_path: str, ready: Any, stop: Any) -> None:
     from services.common.logging import configure_logging
@@ -70,9 +72,9 @@ async def _sample(nats_url: str, bucket_s: float, out_path: Path, ready: Any, st
             next_t += bucket_s
             rows = list(latest.values())
             series["t_s"].append(time.monotonic())
-            series["prefill_workers"].append(sum(1 for r in rows if r.role == "prefill"))
-            series["prefill_queue"].append(sum(r.queue_len for r in rows if r.role == "prefill"))
-            series["decode_running"].append(sum(r.running for r in rows if r.role == "decode"))
+            series["prefill_workers"].append(sum(1 for r in rows if r.role == PREFILL))
+            series["prefill_queue"].append(sum(r.queue_len for r in rows if r.role == PREFILL))
+            series["decode_running"].append(sum(r.running for r in rows if r.role == DECODE))
             series["stolen_tokens_total"].append(
                 sum(r.metrics.get("decode_stolen_tokens_total", 0.0) for r in rows)
             )

@@ -37,6 +37,7 @@ from shared.bus.config import BusConfig
 from shared.messages import ControllerDecision, StateEvent, Subjects, WorkerTelemetry
 from shared.policy.config import PolicyConfig
 from shared.policy.fluidrole import D2P, P2D, recommend
+from shared.policy.roles import ACTIVE, DRAIN, PREFILL, SWITCH
 
 TINY_VOCAB = 356  # the "tiny" tokenizer's vocabulary (prompt ids are drawn below it)
 
@@ -148,7 +149,7 @@ class Observer:
 
     async def _on_telemetry(self, msg: WorkerTelemetry) -> None:
         self.telemetry[msg.publisher_id] = msg
-        if msg.role == "prefill" and msg.state == "active" and msg.ppi > 0:
+        if msg.role == PREFILL and msg.state == ACTIVE and msg.ppi > 0:
             self.prefill_ppi.append((time.monotonic(), msg.ppi))
         self._pulse()
 
@@ -171,7 +172,7 @@ class Observer:
         tel = [self.telemetry.get(w) for w in worker_ids]
         return all(
             t is not None
-            and t.state == "active"
+            and t.state == ACTIVE
             and t.free_blocks == t.total_blocks
             and t.running == 0
             and t.queue_len == 0
@@ -202,8 +203,8 @@ def _switch_row(obs: Observer, k: int, cfg: PolicyConfig) -> dict[str, Any]:
     while since - 1 >= 0 and recommendation(decisions[since - 1][1].inputs, cfg) == d.action:
         since -= 1
     mine = [(t, e) for t, e in obs.events if e.publisher_id == d.target_worker_id and t >= t_dec]
-    drain_t = next((t for t, e in mine if e.to_state == "drain"), None)
-    back = next(((t, e) for t, e in mine if e.to_state == "active"), None)
+    drain_t = next((t for t, e in mine if e.to_state == DRAIN), None)
+    back = next(((t, e) for t, e in mine if e.to_state == ACTIVE), None)
     active_t = back[0] if back else None
     return {
         "action": d.action,
@@ -214,7 +215,7 @@ def _switch_row(obs: Observer, k: int, cfg: PolicyConfig) -> dict[str, Any]:
         "t_drain_start": drain_t,
         "t_active": active_t,
         "intervals_counted": run + 1,
-        "completed": bool(back and back[1].from_state == "switch"),
+        "completed": bool(back and back[1].from_state == SWITCH),
         "decision_lag_s": round(t_dec - decisions[k - run][0], 3),
         "drain_s": round(active_t - drain_t, 3) if active_t and drain_t else None,
         "onset_to_active_s": round(active_t - decisions[k - run][0], 3) if active_t else None,
@@ -283,7 +284,7 @@ def analyse(
         "decision_seq_gaps": [b - a for a, b in itertools.pairwise(seqs) if b - a != 1],
         "decision_span_s": round(decisions[-1][0] - decisions[0][0], 3) if decisions else 0.0,
         "cancelled_switches": sum(
-            1 for _, e in obs.events if e.from_state == "drain" and e.to_state == "active"
+            1 for _, e in obs.events if e.from_state == DRAIN and e.to_state == ACTIVE
         ),
         "timeline": [
             [round(t - t0, 3), d.action, d.reason, *(round(d.inputs[k], 3) for k in _SIGNALS)]

@@ -37,7 +37,7 @@ from services.common.logging import configure_logging
 from shared.bus import Bus, BusConfig
 from shared.bus.registry import RegistryWatcher
 from shared.messages import Subjects, SwitchCommand, SwitchReply, WorkerTelemetry
-from shared.messages.common import Role
+from shared.policy.roles import ACTIVE, DECODE, PREFILL, ROLES, Role
 
 GOAL_RSS_GROWTH_PCT = 5.0
 
@@ -106,9 +106,9 @@ class Monitor:
     async def switch_one(self) -> None:
         """Move one active worker to the other role, alternating directions; the side
         that gives a worker keeps at least one."""
-        active = {r: self.watcher.workers(role=r, state="active") for r in ("prefill", "decode")}
-        src: Role = ("prefill", "decode")[self._flip % 2]  # type: ignore[assignment]
-        dst: Role = "decode" if src == "prefill" else "prefill"
+        active = {r: self.watcher.workers(role=r, state=ACTIVE) for r in ROLES}
+        src: Role = ROLES[self._flip % 2]
+        dst: Role = DECODE if src == PREFILL else PREFILL
         if len(active[src]) < 2:
             src, dst = dst, src
         if len(active[src]) < 2:

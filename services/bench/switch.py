@@ -44,7 +44,7 @@ from services.bench.bus_client import BenchBusClient
 from services.common.cluster import WORKER_READY, Cluster, ClusterSpec
 from services.common.logging import configure_logging
 from services.common.procs import ChildProcess
-from shared.messages.common import Role
+from shared.policy.roles import ACTIVE, DECODE, PREFILL, Role
 
 GOAL_P2D_OVERHEAD_MS = 100.0
 GOAL_D2P_MIGRATE_MS = 1000.0
@@ -94,7 +94,7 @@ async def switch_and_measure(
     def active() -> Any:
         for ev in c.events[first_event:]:
             e = ev.event
-            if e.publisher_id == worker and e.to_state == "active":
+            if e.publisher_id == worker and e.to_state == ACTIVE:
                 return ev
         return None
 
@@ -114,7 +114,7 @@ async def switch_and_measure(
             "_t_active_wall": done.recv_wall_s,
         }
     await c.watcher.wait_until(
-        lambda w: (r := w.get(worker)) is not None and r.role == to_role and r.state == "active",
+        lambda w: (r := w.get(worker)) is not None and r.role == to_role and r.state == ACTIVE,
         10.0,
     )
     t_registry = time.perf_counter()
@@ -159,7 +159,7 @@ async def d2p_under_load(
     await c.wait_until(lambda: all(len(c.streams[r].token_ids) >= 5 for r in rids), 120.0)
     moved_before = c.telemetry[worker].metrics.get("migrations_out_total", 0.0)
     remaining = [n - len(c.streams[r].token_ids) for r, n in zip(rids, lengths, strict=True)]
-    out = await switch_and_measure(c, worker, "prefill", timeout_s=120.0)
+    out = await switch_and_measure(c, worker, PREFILL, timeout_s=120.0)
     got = {r: len(c.streams[r].token_ids) for r in rids}
     # Streams must go on (migrated) or be complete (drained): none may fail.
     await c.wait_until(
@@ -194,7 +194,7 @@ async def p2d_under_load(
     ]
     # Right after the first prompt's first token, the worker is running the second prefill.
     await c.wait_until(lambda: len(c.streams[rids[0]].token_ids) >= 1, 60.0)
-    out = await switch_and_measure(c, worker, "decode", timeout_s=60.0)
+    out = await switch_and_measure(c, worker, DECODE, timeout_s=60.0)
     for r in rids:
         await c.result(r, 120.0)
     t_cmd = out["_t_cmd_wall"]

@@ -42,6 +42,7 @@ from shared.messages import (
     WorkerRow,
     encode,
 )
+from shared.policy.roles import ROLES
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
@@ -107,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print a JSON list of workers")
     sw = sub.add_parser("switch", parents=[common], help="switch a worker's role in place")
     sw.add_argument("worker")
-    sw.add_argument("role", choices=("prefill", "decode"))
+    sw.add_argument("role", choices=ROLES)
     po = sub.add_parser("policy", parents=[common], help="pause/resume automatic FluidRole")
     po.add_argument("mode", choices=("pause", "resume"))
     return p

@@ -44,6 +44,7 @@ from services.common.nats_auth import (
 from services.common.nats_server import READY_LINE, LocalNatsServer, free_port
 from services.common.procs import ChildProcess, LogSink, stop_all
 from shared.messages.subjects import Subjects
+from shared.policy.roles import DECODE, PREFILL, Role
 
 WORKER_READY = "worker_ready"
 ROUTER_READY = "router_ready"
@@ -110,10 +111,10 @@ class ClusterSpec:
         if self.nats_auth and self.nats_url:
             raise ValueError("nats_auth generates users for the private nats-server only")
 
-    def worker_ids(self) -> list[tuple[str, str]]:
+    def worker_ids(self) -> list[tuple[str, Role]]:
         """(worker id, role) for every worker: p0..p{N-1}, d0..d{M-1}."""
-        return [(f"p{i}", "prefill") for i in range(self.prefill)] + [
-            (f"d{i}", "decode") for i in range(self.decode)
+        return [(f"p{i}", PREFILL) for i in range(self.prefill)] + [
+            (f"d{i}", DECODE) for i in range(self.decode)
         ]
 
 
@@ -252,7 +253,7 @@ class Cluster:
                 "router", argv, ROUTER_READY, spec.control_cpus, nats_user="router"
             )
 
-    def add_worker(self, worker_id: str, role: str) -> ChildProcess:
+    def add_worker(self, worker_id: str, role: Role) -> ChildProcess:
         """Spawn one worker with the spec's flags (``Cluster.start`` uses it for every
         worker; tests use it to add a replacement). Returns at once, without waiting for
         readiness; ``stop()`` stops it too. Mutates ``self.workers`` (and, with NATS auth,

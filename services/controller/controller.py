@@ -44,6 +44,7 @@ from shared.messages import (
     WorkerTelemetry,
 )
 from shared.policy.fluidrole import Decision, RolePolicy
+from shared.policy.roles import DECODE, PREFILL
 
 log = structlog.get_logger("fluidpd.controller")
 
@@ -201,8 +202,8 @@ class Controller(Service):
         m.ppi_bar.set(decision.ppi_bar)
         m.dpi_load_bar.set(decision.dpi_load_bar)
         m.dpi_adm_bar.set(decision.dpi_adm_bar)
-        m.workers.labels(role="prefill").set(decision.active_prefill)
-        m.workers.labels(role="decode").set(decision.active_decode)
+        m.workers.labels(role=PREFILL).set(decision.active_prefill)
+        m.workers.labels(role=DECODE).set(decision.active_decode)
         inputs = {
             "ppi_bar": decision.ppi_bar,
             "dpi_load_bar": decision.dpi_load_bar,

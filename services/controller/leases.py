@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shared.messages import WorkerRecord
+from shared.policy.roles import ACTIVE
 
 LEASE_TTL_S = 120.0
 
@@ -55,7 +56,7 @@ class SwitchLeases:
         staying = [
             r
             for r in workers
-            if r.state == "active"
+            if r.state == ACTIVE
             and r.worker_id != worker_id
             and r.worker_id not in self._leases
             and self._role_of(r, now_s) == from_role

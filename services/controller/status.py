@@ -11,16 +11,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared.messages import WorkerRecord, WorkerRow, WorkerTelemetry
-from shared.policy.fluidrole import ACTIVE, DRAIN, SWITCH, ClusterSnapshot, WorkerView
+from shared.policy.fluidrole import ClusterSnapshot, WorkerView
+from shared.policy.roles import ACTIVE, DRAIN, PREFILL, SWITCH
 from shared.policy.window import KeyedWindows
 
 # Worker-reported state → policy state. States not listed ("starting", "stopping") keep a
 # worker out of the policy snapshot: it neither serves nor is switching.
 _POLICY_STATE = {
-    "active": ACTIVE,
-    "drain": DRAIN,
-    "draining": DRAIN,
-    "switch": SWITCH,
+    ACTIVE: ACTIVE,
+    DRAIN: DRAIN,
+    "draining": DRAIN,  # older spellings, still accepted from the wire
+    SWITCH: SWITCH,
     "switching": SWITCH,
 }
 
@@ -42,7 +43,7 @@ class WorkerBook:
     def observe(self, msg: WorkerTelemetry, now_s: float) -> None:
         """Record one telemetry message received at ``now_s``. Mutates the book."""
         self._latest[msg.publisher_id] = _Seen(msg, now_s)
-        if msg.role == "prefill":
+        if msg.role == PREFILL:
             self._ppi.add(msg.publisher_id, now_s, msg.ppi)
         else:
             self._ppi.forget(msg.publisher_id)  # a switched worker starts a fresh window
@@ -105,7 +106,7 @@ class WorkerBook:
                     role=role,
                     state=state,
                     ppi_p95=(self._ppi.p95(rec.worker_id, now_s) or 0.0)
-                    if role == "prefill"
+                    if role == PREFILL
                     else 0.0,
                     dpi_load=tel.dpi_load,
                     dpi_adm=tel.dpi_adm,

@@ -3,5 +3,6 @@
 import sys
 
 from services.worker.main import main
+from shared.policy.roles import DECODE
 
-sys.exit(main("decode"))
+sys.exit(main(DECODE))

@@ -3,5 +3,6 @@
 import sys
 
 from services.worker.main import main
+from shared.policy.roles import PREFILL
 
-sys.exit(main("prefill"))
+sys.exit(main(PREFILL))

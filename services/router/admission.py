@@ -35,6 +35,7 @@ from shared.policy.admission import (
     should_shed,
 )
 from shared.policy.predictors import LatencyProfile
+from shared.policy.roles import DECODE, PREFILL
 
 TELEMETRY_LAG_S = 0.005  # a message received at t reflects the sends made up to t - this
 
@@ -92,11 +93,11 @@ class AdmissionGate:
         """A worker's telemetry (bus callback): keep a prefill worker's queued work."""
         now = time.monotonic() if now_s is None else now_s
         wid = msg.publisher_id
-        if msg.role == "decode":
+        if msg.role == DECODE:
             self._decode_waiting[wid] = (now, msg.metrics.get("decode_waiting", 0.0))
         else:
             self._decode_waiting.pop(wid, None)
-        if msg.role != "prefill" or "queue_work_s" not in msg.metrics:
+        if msg.role != PREFILL or "queue_work_s" not in msg.metrics:
             self._views.pop(wid, None)
             return
         m = msg.metrics

@@ -40,6 +40,7 @@ from shared.bus.registry import RegistryWatcher
 from shared.errors import FluidPDError
 from shared.messages import Subjects, TokenBatch, WorkerRecord, WorkerTelemetry
 from shared.policy.admission import SheddingConfig
+from shared.policy.roles import ACTIVE, DECODE, PREFILL, ROLES, Role
 from shared.tokenizer import Tokenizer
 from shared.tokenizer.models import load_tokenizer
 
@@ -98,9 +99,9 @@ class Router(Service):
             self.gate = AdmissionGate(
                 SheddingConfig(ttft_multiple=cfg.shed_ttft_multiple, expire_margin_s=None),
                 cfg.ttft_slo_ms / 1000.0,
-                lambda: [r.worker_id for r in self.active_workers("prefill")],
+                lambda: [r.worker_id for r in self.active_workers(PREFILL)],
                 stale_after_s=cfg.telemetry_stale_s,
-                decode_records=lambda: self.active_workers("decode"),
+                decode_records=lambda: self.active_workers(DECODE),
                 decode_backlog_batches=cfg.shed_decode_backlog,
             )
         self.bus: Bus | None = None
@@ -196,8 +197,8 @@ class Router(Service):
             self._parse_executor.shutdown(wait=False, cancel_futures=True)
 
     # --- registry views -----------------------------------------------------------------
-    def active_workers(self, role: str) -> list[WorkerRecord]:
-        return [] if self.watcher is None else self.watcher.workers(role, "active")
+    def active_workers(self, role: Role) -> list[WorkerRecord]:
+        return [] if self.watcher is None else self.watcher.workers(role, ACTIVE)
 
     def max_model_len(self) -> int | None:
         """Context limit: the smallest over live workers (None when none is registered)."""
@@ -290,7 +291,7 @@ class Router(Service):
         return web.json_response({"object": "list", "data": [model]})
 
     async def _health(self, request: web.Request) -> web.Response:
-        missing = [r for r in ("prefill", "decode") if not self.active_workers(r)]
+        missing = [r for r in ROLES if not self.active_workers(r)]
         if self.bus is None or not self.bus.is_connected:
             return web.json_response(
                 {"status": "unavailable", "reason": "not connected to NATS"}, status=503

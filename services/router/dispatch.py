@@ -32,6 +32,7 @@ from shared.messages import (
     TokenBatch,
     WorkerRecord,
 )
+from shared.policy.roles import DECODE, PREFILL, Role
 
 log = structlog.get_logger("fluidpd.router")
 SEED_BITS = 62
@@ -68,7 +69,7 @@ class Dispatcher:
         cfg: RouterConfig,
         bus: Bus,
         subjects: Subjects,
-        workers: Callable[[str], list[WorkerRecord]],
+        workers: Callable[[Role], list[WorkerRecord]],
         policy: PairingPolicy,
         metrics: RouterMetrics,
     ) -> None:
@@ -116,7 +117,7 @@ class Dispatcher:
         ``entry.decode_id`` then, so worker-loss handling follows the request."""
         if publisher_id in entry.custody:
             return True
-        active = {w.worker_id for w in self._workers("decode")}
+        active = {w.worker_id for w in self._workers(DECODE)}
         if publisher_id in active and entry.decode_id not in active:
             entry.decode_id = publisher_id
             entry.custody.add(publisher_id)
@@ -124,15 +125,15 @@ class Dispatcher:
         return False
 
     @staticmethod
-    def _hand_over(entry: InFlight, publisher_id: str, to_id: str, role: str | None) -> None:
+    def _hand_over(entry: InFlight, publisher_id: str, to_id: str, role: Role | None) -> None:
         """``publisher_id`` (already checked to be in ``entry``'s custody: only a worker the
         request was given to can rebind it) hands the ``role`` part of ``entry`` to
         ``to_id``: a queue hand-off at a P->D switch, a re-pairing with another decode
         worker. The notice comes before the new worker can stream anything (one
         publisher's messages keep their order through nats-server). Mutates ``entry``."""
-        if role == "prefill":
+        if role == PREFILL:
             entry.prefill_id = to_id
-        elif role == "decode":
+        elif role == DECODE:
             entry.decode_id = to_id
         else:
             return
@@ -200,8 +201,8 @@ class Dispatcher:
     ) -> tuple[str, str]:
         try:
             return self.policy.choose(
-                self._workers("prefill"),
-                self._workers("decode"),
+                self._workers(PREFILL),
+                self._workers(DECODE),
                 exclude,
                 prompt_tokens=prompt_tokens,
                 max_tokens=max_tokens,

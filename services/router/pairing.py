@@ -48,6 +48,7 @@ from shared.messages import WorkerRecord, WorkerTelemetry
 from shared.policy.pairing import decode_score, prefill_score
 from shared.policy.predictors import LatencyProfile
 from shared.policy.pressure import admission_kv_tokens
+from shared.policy.roles import DECODE, PREFILL, Role
 
 
 class NoWorkerError(Exception):
@@ -76,7 +77,7 @@ class PairingPolicy(Protocol):
         ...
 
 
-def _candidates(records: Sequence[WorkerRecord], exclude: frozenset[str], role: str) -> list[str]:
+def _candidates(records: Sequence[WorkerRecord], exclude: frozenset[str], role: Role) -> list[str]:
     ids = sorted(r.worker_id for r in records if r.worker_id not in exclude)
     if not ids:
         # Retrying on an excluded worker beats refusing when it is the only one.
@@ -92,9 +93,9 @@ class RoundRobinPolicy:
     name = "round_robin"
 
     def __init__(self) -> None:
-        self._cursor = {"prefill": 0, "decode": 0}
+        self._cursor: dict[Role, int] = {PREFILL: 0, DECODE: 0}
 
-    def pick(self, role: str, ids: list[str]) -> str:
+    def pick(self, role: Role, ids: list[str]) -> str:
         i = self._cursor[role]
         self._cursor[role] = i + 1
         return ids[i % len(ids)]
@@ -109,9 +110,9 @@ class RoundRobinPolicy:
         max_tokens: int | None = None,
         request_id: str | None = None,
     ) -> tuple[str, str]:
-        p_ids = _candidates(prefill, exclude, "prefill")
-        d_ids = _candidates(decode, exclude, "decode")
-        return self.pick("prefill", p_ids), self.pick("decode", d_ids)
+        p_ids = _candidates(prefill, exclude, PREFILL)
+        d_ids = _candidates(decode, exclude, DECODE)
+        return self.pick(PREFILL, p_ids), self.pick(DECODE, d_ids)
 
     def settle(self, request_id: str) -> None:
         """Nothing to settle: round robin ignores load."""
@@ -234,11 +235,11 @@ class PressurePolicy:
         return entry[0]
 
     def _key(
-        self, role: str, wid: str, tel: WorkerTelemetry, rec: WorkerRecord
+        self, role: Role, wid: str, tel: WorkerTelemetry, rec: WorkerRecord
     ) -> tuple[float, ...]:
         ledger = self._sent.get(wid)
         n = len(ledger.entries) if ledger else 0
-        if role == "prefill":
+        if role == PREFILL:
             work = ledger.work_s if ledger else 0.0
             return (prefill_score(tel.ppi, work, self.cfg.ttft_s), float(tel.queue_len + n))
         n += self._pending_n.get(wid, 0)
@@ -249,7 +250,7 @@ class PressurePolicy:
         )
         return (score, float(n), float(blocks - tel.free_blocks))
 
-    def _pick(self, role: str, records: Sequence[WorkerRecord], ids: list[str], now: float) -> str:
+    def _pick(self, role: Role, records: Sequence[WorkerRecord], ids: list[str], now: float) -> str:
         fresh = {w: t for w in ids if (t := self._fresh(w, now)) is not None}
         if not fresh:
             return self._fallback.pick(role, ids)
@@ -292,13 +293,13 @@ class PressurePolicy:
         (defaults from the config)."""
         now = time.monotonic() if now_mono_s is None else now_mono_s
         cfg = self.cfg
-        p_ids = _candidates(prefill, exclude, "prefill")
-        d_ids = _candidates(decode, exclude, "decode")
+        p_ids = _candidates(prefill, exclude, PREFILL)
+        d_ids = _candidates(decode, exclude, DECODE)
         prompt = cfg.default_prompt_tokens if prompt_tokens is None else prompt_tokens
         out = cfg.default_max_tokens if max_tokens is None else max_tokens
         self._expire_pending(now)
-        p = self._pick("prefill", prefill, p_ids, now)
-        d = self._pick("decode", decode, d_ids, now)
+        p = self._pick(PREFILL, prefill, p_ids, now)
+        d = self._pick(DECODE, decode, d_ids, now)
         self._record(p, now, cfg.prefill_work_s(prompt), 0)
         rec = next(r for r in decode if r.worker_id == d)
         kv = admission_kv_tokens(prompt, out, rec.decode_reserve_tokens, rec.max_model_len)

@@ -64,7 +64,6 @@ from services.sim.results import SimResult
 from services.sim.router import SimRouter
 from services.sim.workers import SimRequest, SimWorker, initial_workers
 from shared.policy.admission import is_expired, predicted_ttft_s, queue_work_s, should_shed
-from shared.policy.fluidrole import DECODE, PREFILL
 from shared.policy.fluidtoken import StealBudget, select_steal_ratios
 from shared.policy.predictors import LatencyProfile
 from shared.policy.pressure import (
@@ -73,6 +72,7 @@ from shared.policy.pressure import (
     suffix_chunk_tokens,
     tpot_slack_s,
 )
+from shared.policy.roles import ACTIVE, DECODE, DRAIN, PREFILL
 from shared.trace_request import TraceRequest
 
 
@@ -232,7 +232,7 @@ class Simulation(ControlPlane):
                 continue
             w.current = r
             self._try_admit(w, r, True)
-        if w.current is None and w.state == "drain":
+        if w.current is None and w.state == DRAIN:
             self.check_drain(w)
 
     def _prefill_retry(self, w: SimWorker, r: SimRequest) -> None:
@@ -244,7 +244,7 @@ class Simulation(ControlPlane):
     def _try_admit(self, w: SimWorker, r: SimRequest, first: bool) -> None:
         cfg, now = self.cfg, self.now
         d = self.workers[r.dw]
-        if not (d.role == DECODE and d.state == "active"):
+        if not (d.role == DECODE and d.state == ACTIVE):
             d = self.router.pick(DECODE, req=r)  # re-pair (module doc: deviation)
             r.dw, r.decode_id = d.index, d.wid
         if first:
@@ -325,7 +325,7 @@ class Simulation(ControlPlane):
         r.done = True
         d.release(r)
         self.remaining -= 1
-        if d.state == "drain" and d.requests == 0:
+        if d.state == DRAIN and d.requests == 0:
             self.check_drain(d)
 
     def start_iter(self, d: SimWorker) -> None:
@@ -400,9 +400,9 @@ class Simulation(ControlPlane):
                     d.pending_tokens += r.ntok
             d.iter_chunks.clear()
         d.busy = False
-        if d.state == "drain" and self.cfg.migrate_on_drain:
+        if d.state == DRAIN and self.cfg.migrate_on_drain:
             self.migrate_all(d)
         if d.n_dec or d.pending or d.suffixes:
             self.start_iter(d)
-        elif d.state == "drain":
+        elif d.state == DRAIN:
             self.check_drain(d)

@@ -40,16 +40,7 @@ from services.sim.events import (
     E_TELEMETRY,
 )
 from services.sim.workers import SimRequest, SimWorker
-from shared.policy.fluidrole import (
-    ACTIVE,
-    DECODE,
-    DRAIN,
-    PREFILL,
-    SWITCH,
-    ClusterSnapshot,
-    RolePolicy,
-    WorkerView,
-)
+from shared.policy.fluidrole import ClusterSnapshot, RolePolicy, WorkerView
 from shared.policy.fluidtoken import StealBudget
 from shared.policy.pressure import (
     DecodeLoad,
@@ -62,6 +53,7 @@ from shared.policy.pressure import (
     queue_ppi,
     suffix_allowance_tokens,
 )
+from shared.policy.roles import ACTIVE, DECODE, DRAIN, PREFILL, SWITCH
 from shared.policy.window import KeyedWindows
 
 if TYPE_CHECKING:

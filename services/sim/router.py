@@ -27,10 +27,10 @@ from __future__ import annotations
 from collections import deque
 
 from services.sim.workers import SimRequest, SimWorker
-from shared.policy.fluidrole import DECODE, PREFILL
 from shared.policy.pairing import decode_score, prefill_score
 from shared.policy.predictors import LatencyProfile
 from shared.policy.pressure import admission_kv_tokens
+from shared.policy.roles import ACTIVE, DECODE, PREFILL, Role
 
 
 class NoActiveWorker(RuntimeError):
@@ -64,16 +64,16 @@ class SimRouter:
         self._pending: list[deque[tuple[SimRequest, int]]] = [deque() for _ in workers]
         self._pend_blocks = [0] * len(workers)
 
-    def _active(self, role: str, exclude: int = -1) -> list[SimWorker]:
+    def _active(self, role: Role, exclude: int = -1) -> list[SimWorker]:
         # Workers are indexed in id order, so this list is already sorted by id.
-        out = [w for w in self.workers if w.role == role and w.state == "active"]
+        out = [w for w in self.workers if w.role == role and w.state == ACTIVE]
         if exclude >= 0 and len(out) > 1:
             out = [w for w in out if w.index != exclude]
         if not out:
             raise NoActiveWorker(f"no active {role} worker")
         return out
 
-    def pick(self, role: str, exclude: int = -1, req: SimRequest | None = None) -> SimWorker:
+    def pick(self, role: Role, exclude: int = -1, req: SimRequest | None = None) -> SimWorker:
         """One worker of ``role`` for ``req`` (``exclude``: a worker to avoid). Without
         ``req`` (or a profile) a send counts only in ``sent_since``."""
         ids = self._active(role, exclude)

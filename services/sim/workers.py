@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from shared.policy.fluidrole import ACTIVE, DECODE, PREFILL
+from shared.policy.roles import ACTIVE, DECODE, PREFILL
 
 
 class SimRequest:

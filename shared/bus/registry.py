@@ -34,6 +34,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from shared.bus.bus import Bus
 from shared.bus.errors import BusError
 from shared.messages import MessageError, WorkerRecord, decode, encode
+from shared.policy.roles import Role, WorkerState
 
 DEAD_AFTER_PERIODS = 2.5
 BUCKET_TTL_PERIODS = 3.0
@@ -238,7 +239,9 @@ class RegistryWatcher:
         self._stopped = False
 
     # --- queries ------------------------------------------------------------------------
-    def workers(self, role: str | None = None, state: str | None = None) -> list[WorkerRecord]:
+    def workers(
+        self, role: Role | None = None, state: WorkerState | None = None
+    ) -> list[WorkerRecord]:
         """Live workers (sorted by id), optionally filtered by role and/or state."""
         return [
             e.record

@@ -27,6 +27,7 @@ from shared.engine.memory import kv_budget_bytes
 from shared.engine.model import LlamaModel
 from shared.engine.sampler import sample
 from shared.errors import ContextLengthError
+from shared.policy.roles import DECODE
 from shared.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -217,7 +218,7 @@ class Engine:
         bm, attn = self.block_manager, self.model.attention
         if not isinstance(attn, TorchPagedAttention):
             return 0  # FlashInfer keeps its own workspace buffers
-        if role == "decode":
+        if role == DECODE:
             attn.workspace = None
             bm.reclaim_lent()
             return 0

@@ -48,11 +48,10 @@ from typing import Any
 from shared.policy.config import PAPER, PolicyConfig
 from shared.policy.fluidrole_sizing import adm_guard, move_size
 
-PREFILL = "prefill"
-DECODE = "decode"
-ACTIVE = "active"
-DRAIN = "drain"
-SWITCH = "switch"
+# The vocabulary is roles.py's; these names stay importable from here for the policy's users.
+from shared.policy.roles import ACTIVE, DECODE, PREFILL
+from shared.policy.roles import DRAIN as DRAIN
+from shared.policy.roles import SWITCH as SWITCH
 
 NONE = "none"
 D2P = "decode_to_prefill"
