@@ -8,9 +8,10 @@ policy file, continuous load through the router's HTTP API (greedy, ignore_eos):
 
 Shown on one run (module fixture, read by both tests): at least one automatic P→D (in A)
 and then one automatic D→P (in B), each Drain → Switch → Active (``ControllerDecision`` and
-the worker's ``StateEvent``s, via ``services.bench.shift.Observer`` / ``analyse``); zero
-failed requests; every output equal to ``shared.engine.generate.generate`` on a local tiny
-Engine (same prompts and max_tokens, greedy); every worker ends idle with free_blocks ==
+the worker's ``StateEvent``s, via ``services.bench.shift_observer.Observer`` /
+``services.bench.shift_analysis.analyse``); zero failed requests; every output equal to
+``shared.engine.generate.generate`` on a local tiny Engine (same prompts and max_tokens,
+greedy); every worker ends idle with free_blocks ==
 total_blocks; every switched worker kept its process id (the telemetry ``pid`` before, after
 and the child the cluster started are one number; no child exited).
 
@@ -46,7 +47,9 @@ import aiohttp
 import pytest
 
 from services.bench.loadgen import prompt_ids
-from services.bench.shift import TINY_VOCAB, Observer, analyse
+from services.bench.shift import TINY_VOCAB
+from services.bench.shift_analysis import analyse
+from services.bench.shift_observer import Observer
 from services.common.cluster import Cluster, ClusterSpec
 from services.common.nats_server import free_port
 from shared.engine.config import EngineConfig

@@ -9,6 +9,7 @@ first held (eq. 22 / 23 recomputed from the decision's own inputs), the decision
 the drain time; after the load it waits until every worker is idle and reports its free
 KV blocks. Last stdout line: one JSON object (``goal_met``: the switch counts per phase are
 the expected ones, no request failed, every worker ended idle with all blocks free).
+What is watched: shift_observer.py; how it is read: shift_analysis.py.
 
 Default scenario (``shift_phases``, policy ``POLICY``; the numbers are explained there):
 2P2D, emulated engine with the shipped Llama-3.1-8B / A100 profile at real time, FluidToken
@@ -20,24 +21,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from services.bench.loadgen import PlannedRequest, run_open_loop, summarize
+from services.bench.shift_analysis import analyse
+from services.bench.shift_observer import Observer
 from services.common.cluster import Cluster, ClusterSpec
 from services.common.nats_server import free_port
-from shared.bus import Bus
-from shared.bus.config import BusConfig
-from shared.messages import ControllerDecision, StateEvent, Subjects, WorkerTelemetry
 from shared.policy.config import PolicyConfig
-from shared.policy.fluidrole import D2P, P2D, recommend
-from shared.policy.roles import ACTIVE, DRAIN, PREFILL, SWITCH
 
 TINY_VOCAB = 356  # the "tiny" tokenizer's vocabulary (prompt ids are drawn below it)
 
@@ -103,206 +100,6 @@ def plan(phases: Sequence[Phase]) -> tuple[list[PlannedRequest], list[tuple[str,
         bounds.append((ph.label, start, start + ph.duration_s))
         start += ph.duration_s
     return sorted(out, key=lambda p: p.arrival_s), bounds
-
-
-@dataclass
-class Observer:
-    """Everything published on the bus that the analysis needs, with receive times
-    (this process's monotonic clock). Event-loop only."""
-
-    nats_url: str
-    decisions: list[tuple[float, ControllerDecision]] = field(default_factory=list)
-    events: list[tuple[float, StateEvent]] = field(default_factory=list)
-    telemetry: dict[str, WorkerTelemetry] = field(default_factory=dict)
-    prefill_ppi: list[tuple[float, float]] = field(default_factory=list)  # (t, PPI) if > 0
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    bus: Bus | None = None
-
-    async def __aenter__(self) -> Observer:
-        subjects = Subjects()
-        self.bus = Bus(BusConfig.from_url(self.nats_url, name="bench-shift"), subjects)
-        await self.bus.start()
-        await self.bus.subscribe_stream(
-            subjects.controller_decisions(), ControllerDecision, self._on_decision
-        )
-        await self.bus.subscribe_stream(subjects.events("*"), StateEvent, self._on_event)
-        await self.bus.subscribe_stream(
-            subjects.telemetry_all(), WorkerTelemetry, self._on_telemetry
-        )
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self.bus is not None:
-            await self.bus.stop()
-
-    def _pulse(self) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
-
-    async def _on_decision(self, msg: ControllerDecision) -> None:
-        self.decisions.append((time.monotonic(), msg))
-        self._pulse()
-
-    async def _on_event(self, msg: StateEvent) -> None:
-        self.events.append((time.monotonic(), msg))
-        self._pulse()
-
-    async def _on_telemetry(self, msg: WorkerTelemetry) -> None:
-        self.telemetry[msg.publisher_id] = msg
-        if msg.role == PREFILL and msg.state == ACTIVE and msg.ppi > 0:
-            self.prefill_ppi.append((time.monotonic(), msg.ppi))
-        self._pulse()
-
-    async def wait_until(self, predicate: Any, timeout_s: float) -> bool:
-        """True once ``predicate()`` holds (re-checked on every message), False at timeout."""
-        deadline = time.monotonic() + timeout_s
-        while not predicate():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            changed = self.changed
-            try:
-                await asyncio.wait_for(changed.wait(), remaining)
-            except TimeoutError:
-                return predicate()
-        return True
-
-    def idle(self, worker_ids: Sequence[str]) -> bool:
-        """Every worker reports no work and every KV block free."""
-        tel = [self.telemetry.get(w) for w in worker_ids]
-        return all(
-            t is not None
-            and t.state == ACTIVE
-            and t.free_blocks == t.total_blocks
-            and t.running == 0
-            and t.queue_len == 0
-            for t in tel
-        )
-
-
-def recommendation(inputs: dict[str, float], cfg: PolicyConfig) -> str:
-    """What eq. 22/23 (with the product's extensions) recommend on a decision's published
-    inputs: D2P, P2D or "none". Gates (cooldown, persistence, one at a time) not applied."""
-    return recommend(inputs["ppi_bar"], inputs["dpi_load_bar"], inputs["dpi_adm_bar"], cfg)[0]
-
-
-def _switch_row(obs: Observer, k: int, cfg: PolicyConfig) -> dict[str, Any]:
-    """One switch decision: its persistence run, its worker's drain and return to Active.
-
-    ``onset`` is the first decision of the run of ``persisting_*`` decisions right before
-    the switch (the first interval the policy counted); ``held_since`` the first of the
-    consecutive decisions whose inputs satisfied the equation (it can be earlier when a
-    cooldown was running) — the recommendation recomputed from each decision's inputs. Times are this process's monotonic clock.
-    """
-    decisions = obs.decisions
-    t_dec, d = decisions[k]
-    run = 0
-    while k - run - 1 >= 0 and decisions[k - run - 1][1].reason.startswith("persisting_"):
-        run += 1
-    since = k
-    while since - 1 >= 0 and recommendation(decisions[since - 1][1].inputs, cfg) == d.action:
-        since -= 1
-    mine = [(t, e) for t, e in obs.events if e.publisher_id == d.target_worker_id and t >= t_dec]
-    drain_t = next((t for t, e in mine if e.to_state == DRAIN), None)
-    back = next(((t, e) for t, e in mine if e.to_state == ACTIVE), None)
-    active_t = back[0] if back else None
-    return {
-        "action": d.action,
-        "worker_id": d.target_worker_id,
-        "t_onset": decisions[k - run][0],
-        "t_held_since": decisions[since][0],
-        "t_decided": t_dec,
-        "t_drain_start": drain_t,
-        "t_active": active_t,
-        "intervals_counted": run + 1,
-        "completed": bool(back and back[1].from_state == SWITCH),
-        "decision_lag_s": round(t_dec - decisions[k - run][0], 3),
-        "drain_s": round(active_t - drain_t, 3) if active_t and drain_t else None,
-        "onset_to_active_s": round(active_t - decisions[k - run][0], 3) if active_t else None,
-    }
-
-
-def analyse(
-    obs: Observer, t0: float, bounds: list[tuple[str, float, float]], cfg: PolicyConfig
-) -> dict[str, Any]:
-    """Switches and per-phase figures; every ``*_s`` time is relative to the load start."""
-
-    def phase_of(t: float) -> str:
-        return next((lb for lb, a, b in bounds if a <= t - t0 < b), "after")
-
-    decisions = obs.decisions
-    switches = []
-    for k, (_, d) in enumerate(decisions):
-        if d.action in (D2P, P2D):
-            row = _switch_row(obs, k, cfg)
-            row["phase"] = phase_of(row["t_decided"])
-            for key in [x for x in row if x.startswith("t_")]:
-                t = row.pop(key)
-                row[key[2:] + "_s"] = None if t is None else round(t - t0, 3)
-            switches.append(row)
-    phases = {}
-    for label, start, end in bounds:
-        inside = [d for t, d in decisions if start <= t - t0 < end]
-        mine = [s for s in switches if s["phase"] == label]
-        first = {
-            action: next(
-                (
-                    round(t - t0, 3)
-                    for t, d in decisions
-                    if start <= t - t0 < end and recommendation(d.inputs, cfg) == action
-                ),
-                None,
-            )
-            for action in (D2P, P2D)
-        }
-        t_ppi = next(
-            (t for t, v in obs.prefill_ppi if start <= t - t0 < end and v > cfg.ppi_high), None
-        )
-        phases[label] = {
-            "start_s": start,
-            "end_s": end,
-            "decisions": len(inside),
-            "switches_d2p": sum(s["action"] == D2P for s in mine),
-            "switches_p2d": sum(s["action"] == P2D for s in mine),
-            # First decision whose inputs recommend a switch (eq. 22 / eq. 23), gated or not.
-            "first_d2p_signal_s": first[D2P],
-            "first_p2d_signal_s": first[P2D],
-            # First telemetry (any prefill worker, instantaneous) with PPI > PPI_high.
-            "first_ppi_over_high_s": None if t_ppi is None else round(t_ppi - t0, 3),
-            "reasons": _count(d.reason for d in inside),
-            **{
-                f"max_{k}": round(max((d.inputs[k] for d in inside), default=0.0), 3)
-                for k in ("ppi_bar", "dpi_load_bar", "dpi_adm_bar")
-            },
-            "layout_end": [int(inside[-1].inputs[k]) for k in _LAYOUT] if inside else None,
-        }
-    seqs = [d.seq for _, d in decisions]
-    return {
-        "switches": switches,
-        "phases": phases,
-        "decisions_total": len(decisions),
-        "decision_seq_gaps": [b - a for a, b in itertools.pairwise(seqs) if b - a != 1],
-        "decision_span_s": round(decisions[-1][0] - decisions[0][0], 3) if decisions else 0.0,
-        "cancelled_switches": sum(
-            1 for _, e in obs.events if e.from_state == DRAIN and e.to_state == ACTIVE
-        ),
-        "timeline": [
-            [round(t - t0, 3), d.action, d.reason, *(round(d.inputs[k], 3) for k in _SIGNALS)]
-            for t, d in decisions
-        ],
-    }
-
-
-_LAYOUT = ("active_prefill", "active_decode")
-_SIGNALS = ("ppi_bar", "dpi_load_bar", "dpi_adm_bar", *_LAYOUT)
-
-
-def _count(reasons: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for reason in reasons:
-        key = "persisting" if reason.startswith("persisting_") else reason
-        out[key] = out.get(key, 0) + 1
-    return out
 
 
 async def _drive(
