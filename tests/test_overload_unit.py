@@ -12,8 +12,9 @@ import pytest
 from services.bench.loadgen import RequestRecord
 from services.bench.replay_metrics import attainment
 from services.router.__main__ import main as router_main
+from services.router.__main__ import parse_hold_s
 from services.router.admission import AdmissionGate, Overloaded
-from services.router.config import RouterConfig
+from services.router.config import STREAM_HOLD_AUTO_MARGIN_S, RouterConfig
 from services.router.generate import end_to_error
 from services.router.streams import StreamEnd
 from services.worker.config import WorkerConfig
@@ -206,6 +207,32 @@ def test_failed_ends_before_any_token_map_to_503_with_retry_after() -> None:
 
 
 # ------------------------------------------------------------------------------ flags
+def test_stream_header_hold_flag_and_its_automatic_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    auto = RouterConfig(ttft_slo_ms=2000.0)
+    assert auto.stream_header_hold_s is None
+    assert auto.header_hold_s == 2.0 + STREAM_HOLD_AUTO_MARGIN_S
+    # The automatic hold outlasts the prefill worker's default expiry margin: a request
+    # dropped at its default deadline + margin still gets its 503 before any 200.
+    monkeypatch.setenv("FLUIDPD_CLUSTER_SECRET", "test-secret")
+    worker = WorkerConfig(worker_id="p0", role="prefill", cluster_secret="s")
+    assert worker.expire_margin is not None and worker.expire_margin < STREAM_HOLD_AUTO_MARGIN_S
+    assert RouterConfig(stream_header_hold_s=0.0).header_hold_s == 0.0  # headers at once
+    assert RouterConfig(stream_header_hold_s=3.5).header_hold_s == 3.5
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="stream_header_hold_s"):
+            RouterConfig(stream_header_hold_s=bad)
+    assert parse_hold_s("auto") is None and parse_hold_s("0") == 0.0
+    for argv in (["--stream-header-hold-s", "-2"], ["--stream-header-hold-s", "soon"]):
+        assert router_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "stream" in err, err
+    monkeypatch.setenv("FLUIDPD_STREAM_HEADER_HOLD_S", "later")
+    assert router_main([]) == 2
+    assert "--stream-header-hold-s" in capsys.readouterr().err
+
+
 def test_router_and_worker_flags_validate_and_bad_values_exit_2(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
