@@ -6,11 +6,13 @@ failed stream end maps to, and the replay summary's rejected / failed-after-acce
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from services.bench.loadgen import RequestRecord
 from services.bench.replay_metrics import attainment
+from services.bench.replay_run import RunSpec, cluster_spec
 from services.router.__main__ import main as router_main
 from services.router.__main__ import parse_hold_s
 from services.router.admission import AdmissionGate, Overloaded
@@ -298,3 +300,17 @@ def test_replay_summary_reports_rejected_apart_from_failed_after_accept() -> Non
     assert (row["rejected"], row["rejected_fraction"]) == (2, 0.5)
     assert (row["failed_after_accept"], row["failed_after_accept_fraction"]) == (1, 0.25)
     assert row["errors"] == 3 and row["joint_attainment"] == 0.25  # rejected: not attained
+
+
+def test_replay_clusters_hold_stream_headers_past_the_scaled_expiry(tmp_path: Path) -> None:
+    """`fluidpd bench replay` scales the TTFT SLO and the expiry margin by --time-scale; the
+    router's hold must outlast both, or a deadline drop would be an in-band error again."""
+    for scale, margin_s in ((1.0, 10.0), (10.0, 10.0), (1.0, 30.0)):
+        spec = RunSpec(
+            "full", time_scale=scale, slo_ttft_ms=2000.0, expire_margin_s=margin_s, out_dir=tmp_path
+        )
+        args = cluster_spec(spec).router_args
+        hold_s = float(args[args.index("--stream-header-hold-s") + 1])
+        assert hold_s > (2.0 + margin_s) * scale, (scale, margin_s, hold_s)
+    never = RunSpec("full", expire_margin_s=-1.0, out_dir=tmp_path)
+    assert "--stream-header-hold-s" not in cluster_spec(never).router_args  # automatic
