@@ -155,15 +155,24 @@ async def test_deadline_expired_queued_work_is_dropped_and_its_blocks_freed(
     assert client.telemetry["de"].free_blocks == client.telemetry["de"].total_blocks
 
 
-async def _router_499s(session: aiohttp.ClientSession, url: str) -> float:
-    """The router's count of requests whose client left (status 499)."""
+async def _router_metric(session: aiohttp.ClientSession, url: str, name: str, has: str) -> float:
+    """The sum of the router's samples of metric ``name`` whose labels contain ``has``."""
     async with session.get(url + "/metrics") as r:
         text = await r.text()
     total = 0.0
     for line in text.splitlines():
-        if line.startswith("fluidpd_router_requests_total{") and 'status="499"' in line:
+        if line.startswith(name) and line[len(name)] in "{ " and has in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+async def _router_499s(session: aiohttp.ClientSession, url: str) -> float:
+    """The router's count of requests whose client left (status 499)."""
+    return await _router_metric(session, url, "fluidpd_router_requests_total", 'status="499"')
+
+
+async def _hold_expired(session: aiohttp.ClientSession, url: str) -> float:
+    return await _router_metric(session, url, "fluidpd_router_stream_hold_expired_total", "")
 
 
 async def test_a_stream_that_leaves_while_its_headers_are_held_is_cancelled_on_the_workers(
@@ -199,6 +208,7 @@ async def test_past_the_hold_a_stream_gets_its_headers_before_its_first_token(
     cluster: dict[str, str], client: BusClient, session: aiohttp.ClientSession
 ) -> None:
     await client.wait_telemetry(_idle, 30.0)
+    expired0 = await _hold_expired(session, cluster["capped"])
     hog = await _hog(client)
     body = {"model": "tiny", "prompt": SHORT, "max_tokens": 4, "stream": True}
     async with session.post(cluster["capped"] + "/v1/completions", json=body) as resp:
@@ -214,5 +224,6 @@ async def test_past_the_hold_a_stream_gets_its_headers_before_its_first_token(
     chunks = [json.loads(e[5:]) for e in events[:-1]]
     assert not any("error" in c for c in chunks), chunks
     assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks
+    assert await _hold_expired(session, cluster["capped"]) == expired0 + 1
     assert (await client.result(hog, timeout_s=30)).finish_reason == "length"
     await client.wait_telemetry(_idle, 30.0)

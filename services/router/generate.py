@@ -285,6 +285,7 @@ class GenerationHandler:
         except TimeoutError:
             # vLLM and SGLang send headers at once; past the hold a client's read timeout
             # matters more than a status, so a very late failure stays in-band.
+            self.metrics.stream_hold_expired_total.inc()
             log.info(
                 "stream_headers_sent_before_first_token",
                 request_id=choices[0].entry.request_id,
