@@ -182,22 +182,27 @@ async def test_a_stream_that_leaves_while_its_headers_are_held_is_cancelled_on_t
     start = client.telemetry["pe"]
     prefills0, expired0 = start.metrics["prefills_total"], start.metrics["expired_total"]
     left0 = await _router_499s(session, cluster["patient"])
-    hog = await _hog(client)
+    # Two hogs (~6 s of prefill) so that the client surely leaves while its request is
+    # still queued, however slow this machine is today.
+    hogs = [await _hog(client)]
+    hog_ids = [5 + i % 300 for i in range(HOG_TOKENS)]
+    hogs.append(await client.submit("pe", "de", hog_ids, 2, ttft_budget_s=60.0))  # no expiry
     body = {"model": "tiny", "prompt": SHORT, "max_tokens": 200, "stream": True}
     post = asyncio.ensure_future(session.post(cluster["patient"] + "/v1/completions", json=body))
-    # Queued behind the hog on pe (queue_len counts the running hog too); its 60 s deadline
+    # Queued behind the hogs on pe (queue_len counts the running one too); its 60 s deadline
     # is far away, so only a cancel can end it.
-    await client.wait_telemetry(lambda t: t["pe"].queue_len >= 2, 10.0)
+    await client.wait_telemetry(lambda t: t["pe"].queue_len >= 3, 10.0)
     assert not post.done()  # its 200 and headers are held: nothing to read yet
     post.cancel()  # the client leaves (its connection closes)
     with contextlib.suppress(asyncio.CancelledError):
         await post
-    await client.wait_telemetry(lambda t: t["pe"].queue_len <= 1, 10.0)
-    assert (await client.result(hog, timeout_s=30)).finish_reason == "length"
+    await client.wait_telemetry(lambda t: t["pe"].queue_len <= 2, 10.0)
+    for hog in hogs:
+        assert (await client.result(hog, timeout_s=30)).finish_reason == "length"
     await client.wait_telemetry(_idle, 30.0)
     pe = client.telemetry["pe"]
-    # Cancelled, not expired, and never computed: the hog is the only prefill since start.
-    assert pe.metrics["prefills_total"] == prefills0 + 1, pe.metrics
+    # Cancelled, not expired, and never computed: the hogs are the only prefills since start.
+    assert pe.metrics["prefills_total"] == prefills0 + 2, pe.metrics
     assert pe.metrics["expired_total"] == expired0, pe.metrics
     assert pe.free_blocks == start.free_blocks
     assert client.telemetry["de"].free_blocks == client.telemetry["de"].total_blocks
