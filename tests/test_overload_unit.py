@@ -17,7 +17,7 @@ from services.router.__main__ import main as router_main
 from services.router.__main__ import parse_hold_s
 from services.router.admission import AdmissionGate, Overloaded
 from services.router.config import STREAM_HOLD_AUTO_MARGIN_S, RouterConfig
-from services.router.generate import end_to_error
+from services.router.errors import end_to_error
 from services.router.streams import StreamEnd
 from services.worker.config import WorkerConfig
 from services.worker.decode_choice import DecodeView, pick_with_capacity

@@ -24,7 +24,7 @@ from aiohttp import web
 from services.router.admission import AdmissionGate
 from services.router.choice import Choice, TextAssembler
 from services.router.dispatch import Dispatcher, InFlight
-from services.router.errors import ApiError, error_body, error_type_for
+from services.router.errors import end_to_error, error_body, error_type_for
 from services.router.metrics import RouterMetrics
 from services.router.openai_api import GenerationRequest
 from services.router.streams import StreamEnd
@@ -43,29 +43,6 @@ def choice_seed(seed: int, index: int) -> int:
     if index == 0:
         return seed
     return (seed ^ (index * _SEED_MIX)) & ((1 << SEED_BITS) - 1)
-
-
-def end_to_error(end: StreamEnd) -> ApiError:
-    """A failed stream end as an HTTP error (503 + Retry-After when capacity ran out)."""
-    code = end.error_code or "worker_error"
-    message = end.error or f"the request ended with {end.finish_reason}"
-    if code == "request_timeout":
-        return ApiError(message, code=code, http_status=504)
-    retry = (
-        1
-        if code
-        in (
-            "kv_capacity_exhausted",
-            "worker_lost",
-            "router_stopping",
-            "stream_gap",
-            "bus_reconnected",
-            "deadline_expired",
-            "decode_wait_timeout",
-        )
-        else None
-    )
-    return ApiError(message, code=code, http_status=503, retry_after_s=retry)
 
 
 class GenerationHandler:
@@ -272,11 +249,12 @@ class GenerationHandler:
 
     async def _hold(self, steps: asyncio.Queue[Step], choices: list[Choice]) -> Step | None:
         """Wait for the first step of any choice (a token or an end), at most
-        ``stream_header_hold_s`` after the request's arrival; None when the hold ran out first. Raises ApiError (a 503
-        + Retry-After for deadline expiry or lost capacity) when the request ended before
-        anything was produced for it. A client that leaves meanwhile cancels the handler
-        (aiohttp ``handler_cancellation`` fires before the response starts, too), and
-        ``run`` then cancels the request on its workers, as on any disconnect."""
+        ``stream_header_hold_s`` after the request's arrival; None when the hold ran out
+        first. Raises ApiError (a 503 + Retry-After for deadline expiry or lost capacity)
+        when the request ended before anything was produced for it. A client that leaves
+        meanwhile cancels the handler (aiohttp ``handler_cancellation`` fires before the
+        response starts, too), and ``run`` then cancels the request on its workers, as on
+        any disconnect."""
         # Counted from the request's arrival: submit retries already kept the client waiting.
         hold_s = choices[0].entry.arrival_s + self.stream_header_hold_s - time.time()
         try:
