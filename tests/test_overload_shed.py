@@ -1,8 +1,11 @@
 """SLO-aware admission on real processes (emulated engine at 10x its profile's time, real
 nats-server, UCX, routers over HTTP): an overloaded router answers 503 + Retry-After with
 an OpenAI-style error before any 200, for stream and non-stream; a prefill worker drops
-queued requests whose TTFT deadline passed with a clear ``deadline_expired`` error (a 503
-when no 200 was sent yet) and every block comes back.
+queued requests whose TTFT deadline passed with a 503 ``deadline_expired`` + Retry-After
+(stream or not: a stream's 200 waits for its first token) and every block comes back; a
+streamed client that leaves while its headers are held cancels its queued request on the
+workers (never computed, nothing leaked); past ``--stream-header-hold-s`` the headers go
+out before the first token and the stream is served as usual.
 
 The overload is deterministic: a "hog" prompt whose predicted prefill (T_pre at 10x, ~3 s)
 is far beyond the 500 ms TTFT SLO is sent straight to the prefill worker, and the tests wait
@@ -11,6 +14,9 @@ until its telemetry shows the queued work before sending anything through a rout
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import aiohttp
@@ -34,7 +40,9 @@ def cluster(
     nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, str]]:
     """pe/de (pe drops queued work as soon as its deadline passed) and two routers with a
-    500 ms TTFT SLO: ``shed`` rejects above 1x the SLO, ``open`` never sheds."""
+    500 ms TTFT SLO: ``shed`` rejects above 1x the SLO, ``open`` never sheds; two that never
+    shed with a 60 s TTFT SLO (nothing they send expires): ``patient`` holds a stream's
+    headers for the automatic 75 s, ``capped`` for 0.3 s."""
     logs = tmp_path_factory.mktemp("shed-logs")
     url = nats_server_module.url
     procs = [
@@ -43,11 +51,17 @@ def cluster(
     ]
     try:
         urls = {"nats": url}
-        for name, multiple in (("shed", "1"), ("open", "0")):
+        for name, slo_ms, multiple, hold in (
+            ("shed", "500", "1", "auto"),
+            ("open", "500", "0", "auto"),
+            ("patient", "60000", "0", "auto"),
+            ("capped", "60000", "0", "0.3"),
+        ):
             proc, urls[name] = start_router(
                 url,
                 "tiny",
-                *("--ttft-slo-ms", "500", "--shed-ttft-multiple", multiple),
+                *("--ttft-slo-ms", slo_ms, "--shed-ttft-multiple", multiple),
+                *("--stream-header-hold-s", hold),
                 log_dir=logs,
                 name=f"router-{name}",
             )
@@ -127,15 +141,94 @@ async def test_deadline_expired_queued_work_is_dropped_and_its_blocks_freed(
         completion(session, cluster["open"], SHORT, 2, stream=True),
         completion(session, cluster["open"], SHORT, 2, stream=False),
     )
-    # No 200 sent yet: a plain 503 with Retry-After. A stream's 200 and its headers go out at
-    # once, so it ends with the same typed error in-band.
-    assert (whole.status, whole.error_code) == (503, "deadline_expired"), whole
-    assert whole.retry_after is not None, whole
-    assert (streamed.status, streamed.error_code) == (200, "deadline_expired"), streamed
-    assert streamed.first_token_s is None, streamed  # nothing was computed for it
+    # No 200 sent yet: a plain 503 with Retry-After, also when streaming (a stream's 200
+    # waits for its first token, and none was computed).
+    for out in (streamed, whole):
+        assert (out.status, out.error_code) == (503, "deadline_expired"), out
+        assert out.retry_after is not None and int(out.retry_after) >= 1, out
+        assert out.first_token_s is None, out
     assert (await client.result(hog, timeout_s=30)).finish_reason == "length"
     await client.wait_telemetry(
         lambda t: _idle(t) and t["pe"].metrics["expired_total"] == expired0 + 2, 30.0
     )
     assert client.telemetry["pe"].free_blocks == start.free_blocks  # every block back
     assert client.telemetry["de"].free_blocks == client.telemetry["de"].total_blocks
+
+
+async def _router_metric(session: aiohttp.ClientSession, url: str, name: str, has: str) -> float:
+    """The sum of the router's samples of metric ``name`` whose labels contain ``has``."""
+    async with session.get(url + "/metrics") as r:
+        text = await r.text()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name)] in "{ " and has in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def _router_499s(session: aiohttp.ClientSession, url: str) -> float:
+    """The router's count of requests whose client left (status 499)."""
+    return await _router_metric(session, url, "fluidpd_router_requests_total", 'status="499"')
+
+
+async def _hold_expired(session: aiohttp.ClientSession, url: str) -> float:
+    return await _router_metric(session, url, "fluidpd_router_stream_hold_expired_total", "")
+
+
+async def test_a_stream_that_leaves_while_its_headers_are_held_is_cancelled_on_the_workers(
+    cluster: dict[str, str], client: BusClient, session: aiohttp.ClientSession
+) -> None:
+    await client.wait_telemetry(_idle, 30.0)
+    start = client.telemetry["pe"]
+    prefills0, expired0 = start.metrics["prefills_total"], start.metrics["expired_total"]
+    left0 = await _router_499s(session, cluster["patient"])
+    # Two hogs (~6 s of prefill) so that the client surely leaves while its request is
+    # still queued, however slow this machine is today.
+    hogs = [await _hog(client)]
+    hog_ids = [5 + i % 300 for i in range(HOG_TOKENS)]
+    hogs.append(await client.submit("pe", "de", hog_ids, 2, ttft_budget_s=60.0))  # no expiry
+    body = {"model": "tiny", "prompt": SHORT, "max_tokens": 200, "stream": True}
+    post = asyncio.ensure_future(session.post(cluster["patient"] + "/v1/completions", json=body))
+    # Queued behind the hogs on pe (queue_len counts the running one too); its 60 s deadline
+    # is far away, so only a cancel can end it.
+    await client.wait_telemetry(lambda t: t["pe"].queue_len >= 3, 10.0)
+    assert not post.done()  # its 200 and headers are held: nothing to read yet
+    post.cancel()  # the client leaves (its connection closes)
+    with contextlib.suppress(asyncio.CancelledError):
+        await post
+    await client.wait_telemetry(lambda t: t["pe"].queue_len <= 2, 10.0)
+    for hog in hogs:
+        assert (await client.result(hog, timeout_s=30)).finish_reason == "length"
+    await client.wait_telemetry(_idle, 30.0)
+    pe = client.telemetry["pe"]
+    # Cancelled, not expired, and never computed: the hogs are the only prefills since start.
+    assert pe.metrics["prefills_total"] == prefills0 + 2, pe.metrics
+    assert pe.metrics["expired_total"] == expired0, pe.metrics
+    assert pe.free_blocks == start.free_blocks
+    assert client.telemetry["de"].free_blocks == client.telemetry["de"].total_blocks
+    assert await _router_499s(session, cluster["patient"]) == left0 + 1
+
+
+async def test_past_the_hold_a_stream_gets_its_headers_before_its_first_token(
+    cluster: dict[str, str], client: BusClient, session: aiohttp.ClientSession
+) -> None:
+    await client.wait_telemetry(_idle, 30.0)
+    expired0 = await _hold_expired(session, cluster["capped"])
+    hog = await _hog(client)
+    body = {"model": "tiny", "prompt": SHORT, "max_tokens": 4, "stream": True}
+    async with session.post(cluster["capped"] + "/v1/completions", json=body) as resp:
+        headers_s = time.time()
+        assert resp.status == 200
+        # The hog still runs for seconds: the request is still queued on pe after its
+        # headers went out (a telemetry message sampled after them shows it, behind the
+        # running hog).
+        await client.wait_telemetry(lambda t: t["pe"].time_s > headers_s, 10.0)
+        assert client.telemetry["pe"].queue_len >= 2
+        events = [line async for line in resp.content if line.startswith(b"data:")]
+    assert events[-1].strip() == b"data: [DONE]", events
+    chunks = [json.loads(e[5:]) for e in events[:-1]]
+    assert not any("error" in c for c in chunks), chunks
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks
+    assert await _hold_expired(session, cluster["capped"]) == expired0 + 1
+    assert (await client.result(hog, timeout_s=30)).finish_reason == "length"
+    await client.wait_telemetry(_idle, 30.0)

@@ -6,15 +6,18 @@ failed stream end maps to, and the replay summary's rejected / failed-after-acce
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from services.bench.loadgen import RequestRecord
 from services.bench.replay_metrics import attainment
+from services.bench.replay_run import RunSpec, cluster_spec
 from services.router.__main__ import main as router_main
+from services.router.__main__ import parse_hold_s
 from services.router.admission import AdmissionGate, Overloaded
-from services.router.config import RouterConfig
-from services.router.generate import end_to_error
+from services.router.config import STREAM_HOLD_AUTO_MARGIN_S, RouterConfig
+from services.router.errors import end_to_error
 from services.router.streams import StreamEnd
 from services.worker.config import WorkerConfig
 from services.worker.decode_choice import DecodeView, pick_with_capacity
@@ -206,6 +209,32 @@ def test_failed_ends_before_any_token_map_to_503_with_retry_after() -> None:
 
 
 # ------------------------------------------------------------------------------ flags
+def test_stream_header_hold_flag_and_its_automatic_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    auto = RouterConfig(ttft_slo_ms=2000.0)
+    assert auto.stream_header_hold_s is None
+    assert auto.header_hold_s == 2.0 + STREAM_HOLD_AUTO_MARGIN_S
+    # The automatic hold outlasts the prefill worker's default expiry margin: a request
+    # dropped at its default deadline + margin still gets its 503 before any 200.
+    monkeypatch.setenv("FLUIDPD_CLUSTER_SECRET", "test-secret")
+    worker = WorkerConfig(worker_id="p0", role="prefill", cluster_secret="s")
+    assert worker.expire_margin is not None and worker.expire_margin < STREAM_HOLD_AUTO_MARGIN_S
+    assert RouterConfig(stream_header_hold_s=0.0).header_hold_s == 0.0  # headers at once
+    assert RouterConfig(stream_header_hold_s=3.5).header_hold_s == 3.5
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="stream_header_hold_s"):
+            RouterConfig(stream_header_hold_s=bad)
+    assert parse_hold_s("auto") is None and parse_hold_s("0") == 0.0
+    for argv in (["--stream-header-hold-s", "-2"], ["--stream-header-hold-s", "soon"]):
+        assert router_main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "stream" in err, err
+    monkeypatch.setenv("FLUIDPD_STREAM_HEADER_HOLD_S", "later")
+    assert router_main([]) == 2
+    assert "--stream-header-hold-s" in capsys.readouterr().err
+
+
 def test_router_and_worker_flags_validate_and_bad_values_exit_2(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -271,3 +300,17 @@ def test_replay_summary_reports_rejected_apart_from_failed_after_accept() -> Non
     assert (row["rejected"], row["rejected_fraction"]) == (2, 0.5)
     assert (row["failed_after_accept"], row["failed_after_accept_fraction"]) == (1, 0.25)
     assert row["errors"] == 3 and row["joint_attainment"] == 0.25  # rejected: not attained
+
+
+def test_replay_clusters_hold_stream_headers_past_the_scaled_expiry(tmp_path: Path) -> None:
+    """`fluidpd bench replay` scales the TTFT SLO and the expiry margin by --time-scale; the
+    router's hold must outlast both, or a deadline drop would be an in-band error again."""
+    for scale, margin_s in ((1.0, 10.0), (10.0, 10.0), (1.0, 30.0)):
+        spec = RunSpec(
+            "full", time_scale=scale, slo_ttft_ms=2000.0, expire_margin_s=margin_s, out_dir=tmp_path
+        )
+        args = cluster_spec(spec).router_args
+        hold_s = float(args[args.index("--stream-header-hold-s") + 1])
+        assert hold_s > (2.0 + margin_s) * scale, (scale, margin_s, hold_s)
+    never = RunSpec("full", expire_margin_s=-1.0, out_dir=tmp_path)
+    assert "--stream-header-hold-s" not in cluster_spec(never).router_args  # automatic

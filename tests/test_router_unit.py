@@ -5,6 +5,7 @@ a scripted fake worker (a bus responder that publishes TokenBatches like a worke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import subprocess
@@ -580,10 +581,14 @@ async def test_health_metrics_and_disconnect_cancels(cluster) -> None:  # type: 
             assert r.status == 200 and await r.json() == {"status": "ok"}
         fake.mode = "hang"
         body = {"model": MODEL, "prompt": "hi", "stream": True}
-        async with s.post(router.url + "/v1/completions", json=body) as r:
-            assert r.status == 200  # SSE headers are out; no token will come
-            assert fake.got_request.is_set()
-        # leaving the block closes the connection: the client went away mid-request
+        # A stream's headers wait for its first token, which never comes: the client goes
+        # away while they are held and the request is on the worker (closing its connection).
+        post = asyncio.ensure_future(s.post(router.url + "/v1/completions", json=body))
+        await asyncio.wait_for(fake.got_request.wait(), 10)
+        assert not post.done()  # no headers yet
+        post.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await post
     rid = fake.received[-1].request_id
     for _ in range(50):
         if rid in fake.cancels:

@@ -38,6 +38,9 @@ FLUIDTOKEN = {
     "full": True,
 }
 FLUIDROLE = {"static": False, "static-pressure": False, "token": False, "role": True, "full": True}
+# Trace seconds a stream's headers are held beyond TTFT SLO + expiry margin (the drop is
+# noticed when the prefill worker takes its next prompt, then travels back).
+HOLD_SLACK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,11 @@ def cluster_spec(spec: RunSpec) -> ClusterSpec:
     router_args: tuple[str, ...] = ("--ttft-slo-ms", f"{spec.slo_ttft_ms * spec.time_scale:g}")
     router_args += ("--shed-ttft-multiple", f"{spec.shed_ttft_multiple:g}")
     router_args += ("--shed-decode-backlog", f"{spec.shed_decode_backlog:g}")
+    if margin >= 0:
+        # A stream's headers wait past the (scaled) expiry, so a drop is a 503 (rejected),
+        # not an in-band error: the router's automatic hold assumes the default margin.
+        hold_s = (spec.slo_ttft_ms / 1000.0 + HOLD_SLACK_S) * spec.time_scale + margin
+        router_args += ("--stream-header-hold-s", f"{hold_s:g}")
     if spec.config == "static":
         router_args += ("--pairing", "round_robin")
     return ClusterSpec(

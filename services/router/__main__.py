@@ -64,8 +64,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="503 + Retry-After when every decode worker has this many batches "
         "(x its max-num-seqs) of requests waiting for admission (0: never)",
     )
+    p.add_argument(
+        "--stream-header-hold-s",
+        default=env("FLUIDPD_STREAM_HEADER_HOLD_S", "auto"),
+        help="how long a streamed response's 200 waits for its first token, so a request "
+        "dropped before it gets a 503 + Retry-After instead of an in-band error "
+        "('auto': TTFT SLO + 15 s; 0: send headers at once)",
+    )
     p.add_argument("--log-json", action="store_true", default=env("FLUIDPD_LOG_JSON") == "1")
     return p
+
+
+def parse_hold_s(value: str) -> float | None:
+    """``auto`` -> None, else a number of seconds. Raises ValueError otherwise."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(
+            f"--stream-header-hold-s must be 'auto' or seconds, got {value!r}"
+        ) from None
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -86,6 +105,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         submit_timeout_s=args.submit_timeout_s,
         shed_ttft_multiple=args.shed_ttft_multiple,
         shed_decode_backlog=args.shed_decode_backlog,
+        stream_header_hold_s=parse_hold_s(args.stream_header_hold_s),
         log_json=args.log_json,
     )
 

@@ -162,8 +162,11 @@ class Router(Service):
             cfg.request_timeout_s,
             gate=self.gate,
             short_prompt_tokens=cfg.short_prompt_tokens,
+            stream_header_hold_s=cfg.header_hold_s,
         )
         self._parse_executor = ThreadPoolExecutor(1, thread_name_prefix="router-parse")
+        # handler_cancellation: a client that leaves cancels its handler, also while a
+        # stream's headers are held (generate.py), so its request is cancelled on the workers.
         self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.host, cfg.port)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -12,6 +13,10 @@ from shared.policy.admission import DEFAULT_TTFT_MULTIPLE
 
 PAIRING_POLICIES = ("pressure", "round_robin")
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+# The automatic stream-header hold: the TTFT SLO plus this. It covers the prefill worker's
+# default --expire-margin-s (10 s) and a few seconds for the drop to be noticed (a worker
+# checks expiry when it takes its next prompt) and to travel back.
+STREAM_HOLD_AUTO_MARGIN_S = 15.0
 
 
 def default_router_id() -> str:
@@ -53,6 +58,7 @@ class RouterConfig:
     # ... and when every decode worker has this many batches (× max_num_seqs) of requests
     # waiting for decode admission; 0 turns it off.
     shed_decode_backlog: float = 1.0
+    stream_header_hold_s: float | None = None
     log_json: bool = False
 
     def __post_init__(self) -> None:
@@ -74,6 +80,11 @@ class RouterConfig:
             raise ValueError(
                 f"shed_decode_backlog must be >= 0 (0: off), got {self.shed_decode_backlog}"
             )
+        hold = self.stream_header_hold_s
+        if hold is not None and not (math.isfinite(hold) and hold >= 0.0):
+            raise ValueError(
+                f"stream_header_hold_s must be a finite number >= 0 (0: off), got {hold}"
+            )
         for name in (
             "ttft_slo_ms",
             "request_timeout_s",
@@ -83,6 +94,14 @@ class RouterConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+
+    @property
+    def header_hold_s(self) -> float:
+        """Seconds a stream's headers wait for its first token before they go out anyway:
+        the configured value, or the TTFT SLO + STREAM_HOLD_AUTO_MARGIN_S. Pure."""
+        if self.stream_header_hold_s is not None:
+            return self.stream_header_hold_s
+        return self.ttft_slo_ms / 1000.0 + STREAM_HOLD_AUTO_MARGIN_S
 
     @property
     def model_name(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.router.streams import StreamEnd
 from shared.errors import FluidPDError, InvalidRequestError
 
 
@@ -65,3 +66,26 @@ def error_body(
 
 def error_type_for(status: int) -> str:
     return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
+def end_to_error(end: StreamEnd) -> ApiError:
+    """A failed stream end as an HTTP error (503 + Retry-After when capacity ran out)."""
+    code = end.error_code or "worker_error"
+    message = end.error or f"the request ended with {end.finish_reason}"
+    if code == "request_timeout":
+        return ApiError(message, code=code, http_status=504)
+    retry = (
+        1
+        if code
+        in (
+            "kv_capacity_exhausted",
+            "worker_lost",
+            "router_stopping",
+            "stream_gap",
+            "bus_reconnected",
+            "deadline_expired",
+            "decode_wait_timeout",
+        )
+        else None
+    )
+    return ApiError(message, code=code, http_status=503, retry_after_s=retry)

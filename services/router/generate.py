@@ -5,6 +5,8 @@ ends a choice early (its workers get a CancelRequest). ``n > 1`` (streamed or no
 workers, sampled with seeds derived from the request's (``choice_seed``), so a seeded
 request gives the same n choices every time. A client that disconnects cancels the
 handler (aiohttp ``handler_cancellation``) and the requests are cancelled on the workers.
+A stream's 200 waits for its first token (bounded by ``stream_header_hold_s``), so a request
+dropped before then gets an error status, not an in-band error.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from aiohttp import web
 from services.router.admission import AdmissionGate
 from services.router.choice import Choice, TextAssembler
 from services.router.dispatch import Dispatcher, InFlight
-from services.router.errors import ApiError, error_body, error_type_for
+from services.router.errors import end_to_error, error_body, error_type_for
 from services.router.metrics import RouterMetrics
 from services.router.openai_api import GenerationRequest
 from services.router.streams import StreamEnd
@@ -30,6 +32,7 @@ from shared.tokenizer import Tokenizer
 
 log = structlog.get_logger("fluidpd.router")
 SSE_DONE = b"data: [DONE]\n\n"
+Step = tuple[Choice, str, StreamEnd | None]  # a choice, its new text, its end (or None)
 SEED_BITS = 62
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -42,32 +45,10 @@ def choice_seed(seed: int, index: int) -> int:
     return (seed ^ (index * _SEED_MIX)) & ((1 << SEED_BITS) - 1)
 
 
-def end_to_error(end: StreamEnd) -> ApiError:
-    """A failed stream end as an HTTP error (503 + Retry-After when capacity ran out)."""
-    code = end.error_code or "worker_error"
-    message = end.error or f"the request ended with {end.finish_reason}"
-    if code == "request_timeout":
-        return ApiError(message, code=code, http_status=504)
-    retry = (
-        1
-        if code
-        in (
-            "kv_capacity_exhausted",
-            "worker_lost",
-            "router_stopping",
-            "stream_gap",
-            "bus_reconnected",
-            "deadline_expired",
-            "decode_wait_timeout",
-        )
-        else None
-    )
-    return ApiError(message, code=code, http_status=503, retry_after_s=retry)
-
-
 class GenerationHandler:
     """Runs one request end to end. ``dispatcher`` submits/cancels; ``model_name`` goes in
-    the responses."""
+    the responses; ``stream_header_hold_s`` bounds how long a stream's 200 waits for its
+    first token (0: headers at once)."""
 
     def __init__(
         self,
@@ -79,8 +60,10 @@ class GenerationHandler:
         *,
         gate: AdmissionGate | None = None,
         short_prompt_tokens: int = 0,
+        stream_header_hold_s: float = 0.0,
     ) -> None:
         self.gate = gate
+        self.stream_header_hold_s = stream_header_hold_s
         self.short_prompt_tokens = short_prompt_tokens
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
@@ -264,26 +247,45 @@ class GenerationHandler:
             body["fluidpd"] = self._extension(entry, choices[0].text)
         return web.json_response(body)
 
+    async def _hold(self, steps: asyncio.Queue[Step], choices: list[Choice]) -> Step | None:
+        """Wait for the first step of any choice (a token or an end), at most
+        ``stream_header_hold_s`` after the request's arrival; None when the hold ran out
+        first. Raises ApiError (a 503 + Retry-After for deadline expiry or lost capacity)
+        when the request ended before anything was produced for it. A client that leaves
+        meanwhile cancels the handler (aiohttp ``handler_cancellation`` fires before the
+        response starts, too), and ``run`` then cancels the request on its workers, as on
+        any disconnect."""
+        # Counted from the request's arrival: submit retries already kept the client waiting.
+        hold_s = choices[0].entry.arrival_s + self.stream_header_hold_s - time.time()
+        try:
+            async with asyncio.timeout(max(0.0, hold_s)):
+                head = await steps.get()
+        except TimeoutError:
+            # vLLM and SGLang send headers at once; past the hold a client's read timeout
+            # matters more than a status, so a very late failure stays in-band.
+            self.metrics.stream_hold_expired_total.inc()
+            log.info(
+                "stream_headers_sent_before_first_token",
+                request_id=choices[0].entry.request_id,
+                held_s=self.stream_header_hold_s,
+            )
+            return None
+        c, _, end = head
+        if end is not None and end.failed and not c.text.num_tokens:
+            raise end_to_error(end)
+        return head
+
     async def _stream(
         self, request: web.Request, req: GenerationRequest, choices: list[Choice]
     ) -> web.StreamResponse:
         """SSE: each choice's chunks as they come (``index`` tells them apart), then the
-        usage (if asked) and ``[DONE]``. A failed choice ends the stream with an error."""
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await response.prepare(request)
-        base = self._base(req, choices[0].entry, chunk=True)
-        usage_null = {"usage": None} if req.include_usage else {}
+        usage (if asked) and ``[DONE]``. A failed choice ends the stream with an error.
 
-        async def send(payload: dict[str, Any]) -> None:
-            await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-
-        if req.kind == "chat":
-            for c in choices:
-                first = self._choice(req, c, "", None, True, first=True)
-                await send({**base, "choices": [first], **usage_null})
-        steps: asyncio.Queue[tuple[Choice, str, StreamEnd | None]] = asyncio.Queue()
+        The 200 and its headers wait for the first token of any choice (``_hold``), so a
+        request that ends before anything was produced for it gets a plain error status
+        (raises ApiError: 503 + Retry-After when dropped past its deadline), never an
+        in-band error after a 200 (issue 16)."""
+        steps: asyncio.Queue[Step] = asyncio.Queue()
 
         async def pump(c: Choice) -> None:
             while True:
@@ -294,9 +296,27 @@ class GenerationHandler:
 
         pumps = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
+            pending: list[Step] = []
+            if self.stream_header_hold_s > 0:
+                head = await self._hold(steps, choices)
+                pending = [head] if head is not None else []
+            response = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            )
+            await response.prepare(request)
+            base = self._base(req, choices[0].entry, chunk=True)
+            usage_null = {"usage": None} if req.include_usage else {}
+
+            async def send(payload: dict[str, Any]) -> None:
+                await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+            if req.kind == "chat":
+                for ch in choices:
+                    first = self._choice(req, ch, "", None, True, first=True)
+                    await send({**base, "choices": [first], **usage_null})
             open_choices = len(choices)
             while open_choices:
-                c, delta, end = await steps.get()
+                c, delta, end = pending.pop() if pending else await steps.get()
                 if end is not None and end.failed:
                     if delta:
                         part = self._choice(req, c, delta, None, True)

@@ -30,6 +30,7 @@ class RouterMetrics:
     submit_retries_total: Counter
     foreign_token_items_total: Counter
     unauthorized_total: Counter
+    stream_hold_expired_total: Counter
     vllm: VllmMetrics  # the same observations under vLLM's names (vllm_metrics.py)
 
     @classmethod
@@ -85,6 +86,11 @@ class RouterMetrics:
             unauthorized_total=Counter(
                 p + "unauthorized_total",
                 "API requests refused: no or wrong API key",
+                registry=registry,
+            ),
+            stream_hold_expired_total=Counter(
+                p + "stream_hold_expired_total",
+                "Streams whose 200 went out before their first token: the header hold ran out",
                 registry=registry,
             ),
         )
