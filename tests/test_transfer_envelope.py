@@ -97,23 +97,15 @@ def test_checksum_algorithm_travels_sealed_and_defaults_to_xxh3() -> None:
 
 
 def test_receiver_rejects_an_unknown_checksum_algorithm() -> None:
-    """The name is checked before any block is received (KVReceiver._check_envelope)."""
+    """The name is checked before any block is received (receive_checks.check_envelope)."""
     from dataclasses import replace
 
-    from shared.engine.block_manager import BlockManager
     from shared.engine.kv_arena import KVArena
-    from shared.transfer import KVFingerprint, KVReceiver, TransferTicket
+    from shared.transfer import KVFingerprint, TransferTicket
+    from shared.transfer.receive_checks import check_envelope
 
     arena = KVArena(8, 1, 1, 8, 16)
     fp = KVFingerprint("a", "w", "float32", 16, arena.layout)
-    receiver = KVReceiver(
-        object(),  # never used by the check
-        worker_id="d0",
-        block_manager=BlockManager(8, 16),
-        arena=arena,
-        fingerprint=fp,
-        secret=SECRET,
-    )
     ticket = TransferTicket(1 << 20, "r", "d0", b"a", "h", (0, 1), (0, 0), 0, 32, 16, 1024)
     env = replace(
         _envelope(2),
@@ -123,9 +115,30 @@ def test_receiver_rejects_an_unknown_checksum_algorithm() -> None:
         generations=(0, 0),
         segments=((0, 2),),
     )
-    receiver._check_envelope(ticket, env, (0, 1))  # the same envelope, named right, passes
+    receiver = {
+        "worker_id": "d0",
+        "fingerprint_digest": fp.digest(),
+        "block_nbytes": arena.block_nbytes,
+        "verify_checksums": True,
+    }
+    check_envelope(ticket, env, (0, 1), **receiver)  # the same envelope, named right, passes
     with pytest.raises(TransferRejected, match="unknown checksum algorithm 'crc32'"):
-        receiver._check_envelope(ticket, replace(env, checksum_algorithm="crc32"), (0, 1))
+        check_envelope(ticket, replace(env, checksum_algorithm="crc32"), (0, 1), **receiver)
+    with pytest.raises(TransferRejected, match="addressed to another worker"):
+        check_envelope(ticket, env, (0, 1), **{**receiver, "worker_id": "d1"})
+
+
+def test_landed_blocks_are_checked_against_trailer_and_generations() -> None:
+    from shared.transfer.receive_checks import check_landed
+
+    check_landed("r", [1, 2], [1, 2], (0, 0), (0, 0))
+    check_landed("r", [1, 2], None, (0, 0), (0, 0))  # checksums not verified
+    with pytest.raises(TransferRejected, match="checksum mismatch at logical block 1"):
+        check_landed("r", [1, 2], [1, 3], (0, 0), (0, 0))
+    with pytest.raises(TransferRejected, match="checksum mismatch at logical block -1"):
+        check_landed("r", [1, 2], [1], (0, 0), (0, 0))
+    with pytest.raises(TransferRejected, match="generation ids changed"):
+        check_landed("r", [1, 2], [1, 2], (0, 0), (0, 1))
 
 
 def _shallow(env: Envelope) -> dict:

@@ -14,6 +14,9 @@ owns the reservation from then on and ends in exactly one of two ways:
 Segments land directly in ``arena.run_bytes`` views: zero copies on this side, also when
 the arena is CUDA memory (UCX writes device memory itself; checksums are computed on the
 device with the algorithm the envelope names, shared/transfer/checksum.py).
+
+What is checked before an install: receive_checks.py; how a failed receive lets go of its
+blocks: inbound.py.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,9 +31,8 @@ from typing import Any
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_arena import KVArena
 from shared.transfer import protocol as proto
-from shared.transfer.checksum import ALGORITHMS, BlockHasher
+from shared.transfer.checksum import BlockHasher
 from shared.transfer.envelope import (
-    PROTOCOL_VERSION,
     Envelope,
     KVFingerprint,
     TransferTicket,
@@ -42,11 +43,12 @@ from shared.transfer.envelope import (
 from shared.transfer.errors import (
     TransferAborted,
     TransferError,
-    TransferRejected,
     TransferTimeout,
     TransportError,
 )
+from shared.transfer.inbound import Inbound, InboundReleaser
 from shared.transfer.landed_hasher import LandedHasher
+from shared.transfer.receive_checks import check_envelope, check_landed
 from shared.transfer.ucx_node import TransferNode, bind_cuda_device
 
 log = logging.getLogger(__name__)
@@ -69,19 +71,6 @@ class ReceivedKV:
     kv_bytes: int
     num_segments: int
     timings_ms: Mapping[str, float] = field(default_factory=dict)
-
-
-@dataclass
-class _Inbound:
-    ticket: TransferTicket
-    pinned: list[Any] = field(default_factory=list)  # segment receives (begin_receive'd)
-    control: list[Any] = field(default_factory=list)  # envelope/trailer/abort receives
-    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
-    envelope: Envelope | None = None
-    segments_done: int = 0
-    sender_aborted: bool = False
-    marks: dict[str, float] = field(default_factory=dict)  # loop.time() of data milestones
-    hash_stop: threading.Event = field(default_factory=threading.Event)  # ends the follower
 
 
 class KVReceiver:
@@ -111,7 +100,7 @@ class KVReceiver:
         self.verify_checksums = verify_checksums
         self._active: set[int] = set()
         self._hasher = LandedHasher()  # one thread, started at the first large receive
-        self._drains: set[asyncio.Task[None]] = set()
+        self._releaser = InboundReleaser(node, block_manager)
         self._hashers: dict[str, BlockHasher] = {}  # by algorithm, on the arena's device
         bind_cuda_device(arena.tensor.device)  # this (the event loop's) thread posts receives
 
@@ -157,7 +146,7 @@ class KVReceiver:
         request id). Raises TransferRejected / TransferAborted / TransferTimeout /
         TransportError; on any exception the reservation is released as described above.
         """
-        st = _Inbound(ticket)
+        st = Inbound(ticket)
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         error: TransferError | None = None
@@ -191,7 +180,7 @@ class KVReceiver:
             self._active.discard(ticket.transfer_id)
 
     # ------------------------------------------------------------------ internals
-    async def _receive(self, st: _Inbound, seq_id: str, t0: float) -> ReceivedKV:
+    async def _receive(self, st: Inbound, seq_id: str, t0: float) -> ReceivedKV:
         ticket, node, loop = st.ticket, self.node, asyncio.get_running_loop()
         tid, n = ticket.transfer_id, ticket.num_blocks
         dst = ticket.block_ids[:n]
@@ -206,7 +195,15 @@ class KVReceiver:
         await self._race(st, env_task, abort_task, abort_buf)
         env, env_mac = Envelope.decode(env_buf, self._secret)
         st.envelope = env
-        self._check_envelope(ticket, env, dst)
+        check_envelope(
+            ticket,
+            env,
+            dst,
+            worker_id=self.worker_id,
+            fingerprint_digest=self.fingerprint_digest,
+            block_nbytes=self.arena.block_nbytes,
+            verify_checksums=self.verify_checksums,
+        )
         t_env = loop.time()
 
         trailer_buf = bytearray(proto.trailer_capacity(n))
@@ -219,23 +216,13 @@ class KVReceiver:
         t_data = loop.time()
 
         expected = decode_trailer(trailer_buf, tid, env_mac, self._secret)
-        if self.verify_checksums and expected != got:
-            bad = (
-                next(i for i, (a, b) in enumerate(zip(expected, got, strict=False)) if a != b)
-                if len(expected) == len(got)
-                else -1
-            )
-            raise TransferRejected(
-                f"checksum mismatch at logical block {bad}",
-                request_id=ticket.request_id,
-                retryable=True,
-            )
-        if self.bm.generations(dst) != env.generations:
-            raise TransferRejected(
-                "generation ids changed under the reservation",
-                request_id=ticket.request_id,
-                retryable=True,
-            )
+        check_landed(
+            ticket.request_id,
+            expected,
+            got if self.verify_checksums else None,
+            env.generations,
+            self.bm.generations(dst),
+        )
         t_valid = loop.time()
         # Every segment receive is complete: drop the pins, then install in one step.
         for _ in st.pinned:
@@ -244,7 +231,7 @@ class KVReceiver:
         block_ids = self.bm.install(ticket.request_id, ticket.token_end, seq_id)
         t_inst = loop.time()
         abort_task.cancel()
-        await self._settle_control(st)
+        await self._releaser.settle_control(st)
         await self._send_verdict(env, True, "installed")
         timings = {
             "envelope_wait_ms": (t_env - t0) * 1e3,
@@ -277,7 +264,7 @@ class KVReceiver:
             timings_ms=timings,
         )
 
-    async def _collect(self, st: _Inbound, dst: tuple[int, ...], trailer_req: Any) -> list[int]:
+    async def _collect(self, st: Inbound, dst: tuple[int, ...], trailer_req: Any) -> list[int]:
         """Post one receive per segment straight into the arena, checksum the segments as
         they land, then wait for the trailer. Returns the checksums in logical order.
 
@@ -331,7 +318,7 @@ class KVReceiver:
         return sums
 
     async def _race(
-        self, st: _Inbound, work: Any, abort_task: asyncio.Future[Any], abort_buf: bytearray
+        self, st: Inbound, work: Any, abort_task: asyncio.Future[Any], abort_buf: bytearray
     ) -> None:
         """Await ``work`` unless the sender's abort arrives first (then raise)."""
         work_f = asyncio.ensure_future(work)
@@ -351,77 +338,17 @@ class KVReceiver:
             f"sender aborted: {reason}", request_id=st.ticket.request_id, retryable=True
         )
 
-    def _check_envelope(self, ticket: TransferTicket, env: Envelope, dst: tuple[int, ...]) -> None:
-        def reject(reason: str) -> TransferRejected:
-            return TransferRejected(reason, request_id=ticket.request_id, retryable=True)
-
-        if env.version != PROTOCOL_VERSION:
-            raise reject(f"protocol version {env.version}")
-        if env.transfer_id != ticket.transfer_id or env.request_id != ticket.request_id:
-            raise reject("envelope names another transfer")
-        if env.dst_worker_id != self.worker_id:
-            raise reject("envelope addressed to another worker")
-        if env.fingerprint_digest != self.fingerprint_digest:
-            raise reject("model/layout fingerprint mismatch")
-        if (env.token_start, env.token_end) != (ticket.token_start, ticket.token_end):
-            raise reject("token range differs from the reservation")
-        if env.num_blocks != len(dst) or env.block_nbytes != self.arena.block_nbytes:
-            raise reject("block count or block size differs from the reservation")
-        if env.generations != ticket.generations[: len(dst)]:
-            raise reject("generation ids differ from the reservation")
-        if not proto.segments_valid(env.segments, dst):
-            raise reject("segments do not tile the reserved blocks")
-        if self.verify_checksums and not env.has_checksums:
-            raise reject("checksums required")
-        if self.verify_checksums and env.checksum_algorithm not in ALGORITHMS:
-            raise reject(f"unknown checksum algorithm {env.checksum_algorithm!r}")
-
-    async def _settle_control(self, st: _Inbound) -> None:
-        for task in st.tasks:
-            task.cancel()
-        for req in st.control:
-            await self.node.settle(req)
-        st.control.clear()
-
-    async def _fail(self, st: _Inbound, error: TransferError) -> None:
-        owner = st.ticket.request_id
-        with contextlib.suppress(Exception):
-            self.bm.cancel_reservation(owner)
-        await self._settle_control(st)
-        src = st.envelope.src_address if st.envelope is not None else b""
-        for req in st.pinned:
-            if await self.node.settle(req) or self._peer_gone(src, owner):
-                self.bm.end_receive(owner)
-            else:  # still posted: keep the blocks pinned until UCX lets go of them
-                task = asyncio.create_task(self._drain(req, owner, src))
-                self._drains.add(task)
-                task.add_done_callback(self._drains.discard)
-        st.pinned.clear()
+    async def _fail(self, st: Inbound, error: TransferError) -> None:
+        await self._releaser.release(st)
         log.warning(
             "kv receive failed request=%s transfer=%x error=%s segments_done=%d",
-            owner,
+            st.ticket.request_id,
             st.ticket.transfer_id,
             error.code,
             st.segments_done,
         )
         if st.envelope is not None and not st.sender_aborted:
             await self._send_verdict(st.envelope, False, error.reason)
-
-    def _peer_gone(self, src_address: bytes, owner: str) -> bool:
-        """A receive that did not settle may be released only when its sender is known
-        dead: UCX dropped its RTS (ucx_guard, case 1) and the only possible writer, our own
-        copy from the sender's memory, can no longer run."""
-        if not src_address or not self.node.peer_failed(src_address):
-            return False
-        log.warning("kv receive from a dead sender released unsettled owner=%s", owner)
-        return True
-
-    async def _drain(self, req: Any, owner: str, src_address: bytes) -> None:
-        while not await self.node.settle(req, grace_s=1.0):
-            if self._peer_gone(src_address, owner):
-                break
-            log.warning("kv receive still posted after cancel owner=%s", owner)
-        self.bm.end_receive(owner)
 
     async def _send_verdict(self, env: Envelope, ok: bool, reason: str) -> None:
         """Best effort and bounded: the sender has its own deadline."""
@@ -435,7 +362,7 @@ class KVReceiver:
             log.warning("kv verdict not sent transfer=%x", env.transfer_id)
 
     def _block_hasher(self, algorithm: str) -> BlockHasher:
-        """The hasher for ``algorithm`` on this arena's device (checked by _check_envelope)."""
+        """The hasher for ``algorithm`` on this arena's device (checked by check_envelope)."""
         if algorithm not in self._hashers:
             self._hashers[algorithm] = BlockHasher(
                 algorithm, self.arena.block_nbytes, self.arena.tensor.device
