@@ -5,8 +5,9 @@
 
 A live migration from a peer arrives the same way (``admit_migration``: the sequence goes
 on where it stopped there); a short prompt routed here whole (``serve_local``) skips the
-transfer. ``DecodeRole`` (decode_role.py) adds the batch loop on top of this base class;
-both act on the one request table the role owns, from the event loop only.
+transfer. ``DecodeRole`` (decode_role.py) holds one ``DecodeIntake`` and gives it its request
+table (``requests``, ``runnable``, the early cancels), the wake-up of its batch loop and its
+``finish``: the table is the role's, the intake adds to it, from the event loop only.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
+from services.worker.decode_request import DecodeRequest, add_error_item
 from services.worker.decode_waiting import WaitingAdmissions
 from services.worker.params import engine_params
 from services.worker.token_stream import TokenStreamer
@@ -35,62 +36,54 @@ from shared.transfer.receiver import KVReceiver
 log = structlog.get_logger("services.worker.decode_role")
 
 
-@dataclass(eq=False)
-class DecodeRequest:
-    request_id: str
-    tokens_subject: str
-    seq: Sequence
-    arrival_s: float
-    phase: str = "receiving"  # receiving | runnable
-    receive_task: asyncio.Task[Any] | None = None
-    stolen_tokens: int = 0
-    suffix_token_ids: tuple[int, ...] = ()
-    migrating: bool = False
-    ticket: Any = None
-    receive_started: bool = False
-    timestamps: dict[str, float] = field(default_factory=dict)
-
-
 class DecodeIntake:
-    """Admission and KV intake for ``DecodeRole``. A base class, not a service of its own:
-    the attributes below are the role's (set in ``DecodeRole.__init__``)."""
+    """Admission and KV intake for ``DecodeRole``. Mutates the role's table (given here);
+    ``admitting`` is switched by the role (``DecodeRole.set_admitting``)."""
 
-    engine: StepEngine
-    bm: BlockManager
-    receiver: KVReceiver
-    streamer: TokenStreamer
-    _publish: Callable[[], Any]
-    transfer_timeout_s: float
-    max_num_seqs: int
-    decode_reserve_tokens: int
-    _suffix_budget: Callable[[str, int, bool], int] | None
-    requests: dict[str, DecodeRequest]
-    waiting: WaitingAdmissions
-    runnable: list[DecodeRequest]
-    _cancelled: dict[str, None]
-    wakeup: asyncio.Event
-    admitting: bool
-    refused_steals_total: int
-    migrations_in_total: int
-    observe_stage: Callable[[str, float], None]
-
-    def _finish(self, req: DecodeRequest) -> None:
-        """Drop ``req`` and free its blocks (the role's; see DecodeRole._finish)."""
-        raise NotImplementedError
+    def __init__(
+        self,
+        engine: StepEngine,
+        receiver: KVReceiver,
+        streamer: TokenStreamer,
+        publish: Callable[[], Any],
+        *,
+        requests: dict[str, DecodeRequest],
+        runnable: list[DecodeRequest],
+        cancelled: dict[str, None],
+        waiting: WaitingAdmissions,
+        wakeup: asyncio.Event,
+        finish: Callable[[DecodeRequest], None],
+        observe_stage: Callable[[str, float], None],
+        suffix_budget: Callable[[int, bool], int] | None,
+        transfer_timeout_s: float,
+        max_num_seqs: int,
+        decode_reserve_tokens: int,
+    ) -> None:
+        self.engine = engine
+        self.bm: BlockManager = engine.block_manager
+        self.receiver = receiver
+        self.streamer = streamer
+        self._publish = publish
+        self.requests = requests
+        self.runnable = runnable
+        self._cancelled = cancelled
+        self.waiting = waiting
+        self.wakeup = wakeup
+        self._finish = finish
+        self.observe_stage = observe_stage
+        # (context tokens, forced) -> suffix tokens we accept now (the policy's re-check).
+        self._suffix_budget = suffix_budget
+        self.transfer_timeout_s = transfer_timeout_s
+        self.max_num_seqs = max_num_seqs
+        self.decode_reserve_tokens = decode_reserve_tokens
+        self.admitting = True
+        self.refused_steals_total = 0
+        self.migrations_in_total = 0
 
     def _stream_error(self, req: DecodeRequest, error: str, code: str) -> None:
         """End ``req``'s token stream with an error item and ask for a flush. Does not drop
         the request: the caller does."""
-        self.streamer.add(
-            req.tokens_subject,
-            TokenItem(
-                request_id=req.request_id,
-                index=len(req.seq.output_token_ids),
-                finish_reason="error",
-                error=error,
-                error_code=code,
-            ),
-        )
+        add_error_item(self.streamer, req, error, code)
         self._publish()
 
     def _blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
@@ -169,9 +162,7 @@ class DecodeIntake:
                 )
         suffix_len = msg.suffix_len
         if suffix_len and self._suffix_budget is not None:
-            allowed = self._suffix_budget(
-                msg.prefill_worker_id, msg.prompt_len - suffix_len, msg.forced_split
-            )
+            allowed = self._suffix_budget(msg.prompt_len - suffix_len, msg.forced_split)
             if suffix_len > allowed:
                 # Re-check our own budget: refuse the steal rather than overrun TPOT.
                 self.refused_steals_total += 1

@@ -10,8 +10,9 @@ Request life on a decode worker::
       -> finish: blocks freed                                   [runnable -> gone]
 
 A short prompt routed here directly (``serve_local``) skips the transfer: its whole prompt
-is the "suffix" on zero context. Admission and KV intake are in decode_intake.py (the base
-class); this file has the batch loop, cancellation, migration out and telemetry.
+is the "suffix" on zero context. Admission and KV intake are in decode_intake.py (a part this
+role holds and gives its request table); this file has the batch loop, cancellation,
+migration out and the ``stats()`` snapshot.
 
 Ownership: the block manager is touched only from the event loop thread. A step running in
 the engine thread writes KV only into blocks of requests in that step; a request cancelled
@@ -20,7 +21,7 @@ meanwhile is freed after the step commits (``_doomed``), never during it.
 A step that raises (CUDA OOM, a device error, a bad id that got past intake) leaves the
 engine's state unknown, so the loop does not retry it: every request held here ends at once
 with an ``engine_failed`` error item, every block is freed, admission stops, and
-``on_engine_failure`` tells the runtime, which marks the worker ``failed`` and exits so a
+``on_engine_failure`` (a constructor argument) tells the runtime, which marks the worker ``failed`` and exits so a
 supervisor starts a fresh process (docs/reliability.md, "decode engine failure").
 """
 
@@ -34,8 +35,11 @@ from typing import Any
 
 import structlog
 
-from services.worker.decode_intake import DecodeIntake, DecodeRequest
+from services.worker.config import PREFILL_CHUNK_TOKENS
+from services.worker.decode_intake import DecodeIntake
+from services.worker.decode_request import DecodeRequest, add_error_item
 from services.worker.decode_waiting import WaitingAdmissions
+from services.worker.stats import DecodeStats, PoolStats
 from services.worker.token_stream import TokenStreamer, wire_logprobs
 from shared.engine.batch import StepInput
 from shared.engine.engine import SampleSpec
@@ -51,7 +55,7 @@ log = structlog.get_logger(__name__)
 _MAX_REMEMBERED_IDS = 4096  # bounded memory of migrated / early-cancelled request ids
 
 
-class DecodeRole(DecodeIntake):
+class DecodeRole:
     """Owns the decode-side request table and the decode loop of one worker."""
 
     def __init__(
@@ -64,23 +68,27 @@ class DecodeRole(DecodeIntake):
         *,
         transfer_timeout_s: float,
         max_num_seqs: int,
-        prefill_chunk_tokens: int = 512,
+        prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
         decode_reserve_tokens: int = 256,
-        suffix_budget: Callable[[str, int, bool], int] | None = None,
+        suffix_allowance: Callable[[DecodeStats, int, bool], int] | None = None,
+        chunk_budget: Callable[[int, bool], int] | None = None,
+        observe_stage: Callable[[str, float], None] = lambda _stage, _s: None,
+        observe_step: Callable[[int, int, int, float], None] = lambda *_a: None,
+        on_engine_failure: Callable[[BaseException], None] = lambda _exc: None,
     ) -> None:
+        """``suffix_allowance`` (the policy's re-check of a proposed split, given this
+        role's stats) and ``chunk_budget`` (prompt tokens one iteration may carry) are None
+        without FluidToken. ``on_engine_failure`` is called once, after a failed step has
+        ended every request here (see the module doc)."""
         self.engine = engine
         self.bm = engine.block_manager
-        self.receiver = receiver
         self.streamer = streamer
         self.executor = executor
         self._publish = publish
-        self.transfer_timeout_s = transfer_timeout_s
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.decode_reserve_tokens = decode_reserve_tokens
         self.capacity_failures_total = 0
-        self._suffix_budget = suffix_budget
-        self.chunk_budget: Callable[[int, bool], int] | None = None
+        self.chunk_budget = chunk_budget
         self.requests: dict[str, DecodeRequest] = {}
         self.migrated_to: dict[str, str] = {}  # request id -> peer that now decodes it
         self._cancelled: dict[str, None] = {}  # ids cancelled before their admit arrived
@@ -90,21 +98,54 @@ class DecodeRole(DecodeIntake):
         self.wakeup = asyncio.Event()
         self.step_done = asyncio.Event()  # pulsed after every committed step
         self.progress = asyncio.Event()  # set when a request leaves (a D->P drain waits)
-        self.admitting = True
         self.stolen_tokens_total = 0
-        self.refused_steals_total = 0
         self.waiting = WaitingAdmissions()  # refused admits their prefill workers retry
-        self.migrations_in_total = 0
         self.migrations_out_total = 0
         self.iterations_total = 0
         self.last_step_s = 0.0
         self.last_batch_size = 0
         self.last_context_tokens = 0
-        self.observe_stage: Callable[[str, float], None] = lambda _stage, _s: None
-        self.observe_step: Callable[[int, int, int, float], None] = lambda *_a: None
-        # Called once, after a failed step has ended every request here (see the module doc).
-        self.on_engine_failure: Callable[[BaseException], None] = lambda _exc: None
+        self.observe_step = observe_step
+        self.on_engine_failure = on_engine_failure
         self.engine_failed = False
+        self._suffix_allowance = suffix_allowance
+        self.intake = DecodeIntake(
+            engine,
+            receiver,
+            streamer,
+            publish,
+            requests=self.requests,
+            runnable=self.runnable,
+            cancelled=self._cancelled,
+            waiting=self.waiting,
+            wakeup=self.wakeup,
+            finish=self._finish,
+            observe_stage=observe_stage,
+            suffix_budget=self._suffix_budget if suffix_allowance is not None else None,
+            transfer_timeout_s=transfer_timeout_s,
+            max_num_seqs=max_num_seqs,
+            decode_reserve_tokens=decode_reserve_tokens,
+        )
+        # Entry points (the runtime's handlers): the intake's.
+        self.admit = self.intake.admit
+        self.admit_migration = self.intake.admit_migration
+        self.serve_local = self.intake.serve_local
+
+    def _suffix_budget(self, context_tokens: int, forced: bool) -> int:
+        assert self._suffix_allowance is not None  # only given to the intake with one
+        return self._suffix_allowance(self.stats(), context_tokens, forced)
+
+    @property
+    def admitting(self) -> bool:
+        return self.intake.admitting
+
+    def set_admitting(self, admitting: bool) -> None:
+        """Admit decode work (True) or refuse it (a drain, a failure). Mutates."""
+        self.intake.admitting = admitting
+
+    def _stream_error(self, req: DecodeRequest, error: str, code: str) -> None:
+        add_error_item(self.streamer, req, error, code)
+        self._publish()
 
     # ------------------------------------------------------------ migration out
     async def freeze(self, request_id: str) -> DecodeRequest | None:
@@ -300,7 +341,7 @@ class DecodeRole(DecodeIntake):
         blocks (a receive is cancelled: its reservation is freed by the receiver once UCX
         lets go), stop admitting, then report to the runtime. Mutates the request table."""
         self.engine_failed = True
-        self.admitting = False
+        self.set_admitting(False)
         # The exception's type and a bounded message only: never token ids or prompt text.
         log.error(
             "engine_step_failed",
@@ -379,6 +420,44 @@ class DecodeRole(DecodeIntake):
             )
             if seq.finished:
                 self._finish(req)
+
+    # ---------------------------------------------------------------- snapshots
+    def drained(self) -> bool:
+        """True when no request is held here (a D->P switch waits for it)."""
+        return not self.requests
+
+    def long_running(self, min_remaining_s: float) -> list[str]:
+        """Runnable requests expected to need longer than ``min_remaining_s`` to finish at
+        the last step time (a D->P switch migrates them)."""
+        step_s = max(self.last_step_s, 1e-3)
+        return [
+            req.request_id
+            for req in self.runnable
+            if (req.seq.params.max_tokens - len(req.seq.output_token_ids)) * step_s
+            > min_remaining_s
+        ]
+
+    def stats(self) -> DecodeStats:
+        bm = self.bm
+        waiting = self.waiting.totals(time.monotonic())
+        return DecodeStats(
+            pool=PoolStats(
+                bm.block_size, bm.num_free_blocks, bm.num_usable_blocks, bm.num_reserved_blocks
+            ),
+            max_num_seqs=self.max_num_seqs,
+            num_requests=len(self.requests),
+            num_running=self.num_running,
+            num_receiving=self.num_receiving,
+            running_kv_tokens=sum(r.seq.num_tokens for r in self.runnable),
+            pending_prompt_tokens=self.pending_prompt_tokens(),
+            waiting_requests=waiting.requests,
+            waiting_kv_tokens=waiting.kv_tokens,
+            stolen_tokens_total=self.stolen_tokens_total,
+            refused_steals_total=self.intake.refused_steals_total,
+            migrations_in_total=self.intake.migrations_in_total,
+            migrations_out_total=self.migrations_out_total,
+            iterations_total=self.iterations_total,
+        )
 
     # ------------------------------------------------------------------ telemetry
     def pending_prompt_tokens(self) -> int:

@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import structlog
 
-from shared.policy.roles import FAILED
-
-if TYPE_CHECKING:
-    from services.worker.runtime import WorkerRuntime
+from shared.engine.block_manager import BlockManager
+from shared.policy.roles import FAILED, WorkerState
 
 log = structlog.get_logger(__name__)
 
@@ -34,14 +32,24 @@ EXIT_ENGINE_FAILED = 3  # the worker's exit status after an engine failure
 _POLL_S = 0.02  # re-check period while cancelled receives release their blocks
 
 
-async def fail_worker(rt: WorkerRuntime, error: str) -> None:
-    """Take ``rt`` out of service after an engine failure and set ``rt.fatal``. Never
-    raises (a failure to publish is logged; the exit still happens)."""
+async def fail_worker(
+    error: str,
+    *,
+    worker_id: str,
+    stop_admitting: Callable[[], None],
+    set_state: Callable[[WorkerState, str], Awaitable[None]],
+    block_manager: BlockManager,
+    transfer_timeout_s: float,
+    heartbeat_s: float,
+    exit_with: Callable[[int], None],
+) -> None:
+    """Take the worker out of service after an engine failure, then ``exit_with`` the exit
+    status. Never raises (a failure to publish is logged; the exit still happens)."""
     try:
-        rt.prefill.admitting = rt.decode.admitting = False
-        await rt.switcher.set_state(FAILED, f"engine failed: {error}")
-        bm = rt.engine.block_manager
-        deadline = time.monotonic() + rt.cfg.transfer_timeout_s + 1.0
+        stop_admitting()
+        await set_state(FAILED, f"engine failed: {error}")
+        bm = block_manager
+        deadline = time.monotonic() + transfer_timeout_s + 1.0
         # A cancelled receive frees its reservation only once UCX let go of its buffers.
         while bm.num_reserved_blocks and time.monotonic() < deadline:
             await asyncio.sleep(_POLL_S)
@@ -52,7 +60,7 @@ async def fail_worker(rt: WorkerRuntime, error: str) -> None:
             integrity = f"{type(exc).__name__}: {exc}"
         log.error(
             "worker_failed",
-            worker_id=rt.cfg.worker_id,
+            worker_id=worker_id,
             error=error,
             free_blocks=bm.num_free_blocks,
             usable_blocks=bm.num_usable_blocks,
@@ -60,9 +68,8 @@ async def fail_worker(rt: WorkerRuntime, error: str) -> None:
             integrity=integrity,
             exit_status=EXIT_ENGINE_FAILED,
         )
-        await asyncio.sleep(3 * rt.cfg.heartbeat_s)  # a period: others see "failed"
+        await asyncio.sleep(3 * heartbeat_s)  # a period: others see "failed"
     except Exception:
-        log.exception("worker_fail_path_failed", worker_id=rt.cfg.worker_id)
+        log.exception("worker_fail_path_failed", worker_id=worker_id)
     finally:
-        rt.exit_status = EXIT_ENGINE_FAILED
-        rt.fatal.set()
+        exit_with(EXIT_ENGINE_FAILED)

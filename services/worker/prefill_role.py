@@ -36,6 +36,7 @@ from services.worker.admission import DecodeAdmission
 from services.worker.params import engine_params
 from services.worker.prefill_handoff import PrefillHandoff
 from services.worker.prefill_job import PrefillJob
+from services.worker.stats import PrefillStats
 from services.worker.token_stream import TokenStreamer, wire_logprobs
 from shared.aio import resolve
 from shared.bus import Bus
@@ -50,6 +51,7 @@ from shared.messages import (
     TokenItem,
 )
 from shared.policy.admission import SheddingConfig, is_expired
+from shared.policy.pressure import QueuedRequest
 from shared.policy.roles import Role
 from shared.transfer.sender import KVSender
 
@@ -79,7 +81,14 @@ class PrefillRole(PrefillHandoff):
         decode_wait_s: float = 60.0,
         expire_margin_s: float | None = None,
         split_planner: Callable[[list[PrefillJob], float], dict[str, int]] | None = None,
+        repair: Callable[[str], str | None] | None = None,
+        find_capacity: Callable[[str, PrefillJob], str | None] | None = None,
+        observe_stage: Callable[[str, float], None] = lambda _stage, _s: None,
+        observe_step: Callable[[int, float], None] = lambda _tokens, _s: None,
     ) -> None:
+        """``split_planner`` (the policy's Algorithm 1; None without FluidToken),
+        ``repair``/``find_capacity`` (another Active decode worker, admission.py) and the
+        observers (TTFT stage timings, step timings) are the runtime's parts."""
         self.worker_id = worker_id
         self.engine = engine
         self.bm = engine.block_manager
@@ -99,8 +108,9 @@ class PrefillRole(PrefillHandoff):
             decode_wait_s=decode_wait_s,
             fail=self._fail,
             hand_over=self.hand_over,
-            # Looked up per call: the runtime installs the observer after construction.
-            observe_stage=lambda stage, s: self.observe_stage(stage, s),
+            observe_stage=observe_stage,
+            repair=repair,
+            find_capacity=find_capacity,
         )
         self.transfer_timeout_s = transfer_timeout_s
         # Queued work whose TTFT deadline passed by this margin is dropped (None: never).
@@ -129,9 +139,8 @@ class PrefillRole(PrefillHandoff):
         self.prefills_total = 0
         self.last_step_s = 0.0
         self.last_prefill_tokens = 0
-        # Observers (set by the runtime): TTFT stage timings and step timings.
-        self.observe_stage: Callable[[str, float], None] = lambda _stage, _s: None
-        self.observe_step: Callable[[int, float], None] = lambda _tokens, _s: None
+        self.observe_stage = observe_stage
+        self.observe_step = observe_step
 
     # ------------------------------------------------------------------ intake
     def enqueue(self, msg: PrefillRequest, seed: int) -> None:
@@ -384,6 +393,47 @@ class PrefillRole(PrefillHandoff):
             ),
         )
         self._publish()
+
+    # ------------------------------------------------------------- role switch
+    def set_admitting(self, admitting: bool) -> None:
+        """Accept prefill work (True) or not (a drain, a failure). Mutates."""
+        self.admitting = admitting
+
+    def drained(self) -> bool:
+        """True when nothing runs, is queued or is being exported (a P->D switch waits)."""
+        return self.current is None and not self.exports and not self.queue
+
+    def requeue(self, job: PrefillJob) -> None:
+        """Put back a job ``take_queued`` removed (no other worker took it)."""
+        self.queue.append(job)
+        self.jobs[job.request_id] = job
+        self.wakeup.set()
+
+    def cancel_background(self) -> None:
+        """Cancel every export and hand-off task (the worker stops)."""
+        for task in [*self.exports, *self.handoffs]:
+            task.cancel()
+
+    # --------------------------------------------------------------- snapshots
+    def stats(self) -> PrefillStats:
+        cur = self.current
+        adm = self.admission
+        return PrefillStats(
+            queue=tuple(
+                QueuedRequest(j.request_id, j.arrival_s, j.prompt_len, j.msg.decode_worker_id)
+                for j in self.queue
+            ),
+            queue_len=self.queue_len,
+            running_prompt_tokens=cur.prompt_len if cur is not None else 0,
+            running_started_s=cur.timestamps.get("prefill_start_s") if cur is not None else None,
+            handed_off_tokens_total=self.handed_off_tokens_total,
+            split_requests_total=self.split_requests_total,
+            prefills_total=self.prefills_total,
+            expired_total=self.expired_total,
+            admission_waiting=len(adm.waiting),
+            decode_wait_timeouts_total=adm.wait_timeouts_total,
+            repaired_for_capacity_total=adm.repaired_for_capacity_total,
+        )
 
     # --------------------------------------------------------------- telemetry
     @property
