@@ -6,8 +6,8 @@
 A live migration from a peer arrives the same way (``admit_migration``: the sequence goes
 on where it stopped there); a short prompt routed here whole (``serve_local``) skips the
 transfer. ``DecodeRole`` (decode_role.py) holds one ``DecodeIntake`` and gives it its request
-table (``requests``, ``runnable``, the early cancels), the wake-up of its batch loop and its
-``finish``: the table is the role's, the intake adds to it, from the event loop only.
+table (decode_table.py): the table is the role's, the intake adds to it, from the event
+loop only.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 import structlog
 
-from services.worker.decode_request import DecodeRequest, add_error_item
-from services.worker.decode_waiting import WaitingAdmissions
+from services.worker.decode_request import DecodeRequest
+from services.worker.decode_table import DecodeTable
 from services.worker.params import engine_params
 from services.worker.token_stream import TokenStreamer
 from shared.engine.block_manager import BlockManager
@@ -37,7 +37,7 @@ log = structlog.get_logger("services.worker.decode_role")
 
 
 class DecodeIntake:
-    """Admission and KV intake for ``DecodeRole``. Mutates the role's table (given here);
+    """Admission and KV intake for ``DecodeRole``. Adds to the role's table (given here);
     ``admitting`` is switched by the role (``DecodeRole.set_admitting``)."""
 
     def __init__(
@@ -47,12 +47,7 @@ class DecodeIntake:
         streamer: TokenStreamer,
         publish: Callable[[], Any],
         *,
-        requests: dict[str, DecodeRequest],
-        runnable: list[DecodeRequest],
-        cancelled: dict[str, None],
-        waiting: WaitingAdmissions,
-        wakeup: asyncio.Event,
-        finish: Callable[[DecodeRequest], None],
+        table: DecodeTable,
         observe_stage: Callable[[str, float], None],
         suffix_budget: Callable[[int, bool], int] | None,
         transfer_timeout_s: float,
@@ -64,12 +59,7 @@ class DecodeIntake:
         self.receiver = receiver
         self.streamer = streamer
         self._publish = publish
-        self.requests = requests
-        self.runnable = runnable
-        self._cancelled = cancelled
-        self.waiting = waiting
-        self.wakeup = wakeup
-        self._finish = finish
+        self.table = table
         self.observe_stage = observe_stage
         # (context tokens, forced) -> suffix tokens we accept now (the policy's re-check).
         self._suffix_budget = suffix_budget
@@ -79,12 +69,6 @@ class DecodeIntake:
         self.admitting = True
         self.refused_steals_total = 0
         self.migrations_in_total = 0
-
-    def _stream_error(self, req: DecodeRequest, error: str, code: str) -> None:
-        """End ``req``'s token stream with an error item and ask for a flush. Does not drop
-        the request: the caller does."""
-        add_error_item(self.streamer, req, error, code)
-        self._publish()
 
     def _blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
         """Blocks reserved at admission: the prompt plus a decode horizon. Longer outputs
@@ -123,7 +107,7 @@ class DecodeIntake:
             return None, AdmitReply(ok=False, error=str(exc), retry_after_ms=50)
         seq = self._sequence(request_id, [0] * prompt_len, sampling)
         req = DecodeRequest(request_id, tokens_subject, seq, time.time(), ticket=ticket)
-        self.requests[request_id] = req
+        self.table.requests[request_id] = req
         return req, None
 
     def _start_receive(self, req: DecodeRequest, suffix_len: int = 0) -> AdmitReply:
@@ -142,13 +126,13 @@ class DecodeIntake:
             return AdmitReply(
                 ok=False, error="worker is not admitting decode work", retry_after_ms=0
             )
-        if msg.request_id in self.requests:
+        if msg.request_id in self.table.requests:
             return AdmitReply(ok=False, error=f"request {msg.request_id} already admitted")
-        if msg.request_id in self._cancelled:
+        if msg.request_id in self.table.cancelled:
             return AdmitReply(ok=False, error=f"request {msg.request_id} was cancelled")
         # Requests refused earlier and still waiting are served first (decode_waiting.py).
-        ahead = self.waiting.ahead(msg.request_id, time.monotonic())
-        if len(self.requests) + ahead.requests >= self.max_num_seqs:
+        ahead = self.table.waiting.ahead(msg.request_id, time.monotonic())
+        if len(self.table.requests) + ahead.requests >= self.max_num_seqs:
             # The prefill worker keeps the request waiting (its KV held there) and retries:
             # count it, so that DPI_adm and telemetry show the demand we refused.
             self._note_waiting(msg)
@@ -179,7 +163,7 @@ class DecodeIntake:
             if refusal.retry_after_ms:
                 self._note_waiting(msg)
             return refusal
-        self.waiting.drop(msg.request_id)
+        self.table.waiting.drop(msg.request_id)
         if suffix_len:
             req.suffix_token_ids = tuple(msg.suffix_token_ids)
         return self._start_receive(req, suffix_len)
@@ -188,7 +172,7 @@ class DecodeIntake:
         kv = admission_kv_tokens(
             msg.prompt_len, msg.max_tokens, self.decode_reserve_tokens, self.engine.max_model_len
         )
-        self.waiting.note(msg.request_id, kv, time.monotonic())
+        self.table.waiting.note(msg.request_id, kv, time.monotonic())
 
     def _release_unstarted(self, req: DecodeRequest) -> None:
         """A receive task cancelled before its first step (admit and cancel both queued
@@ -204,13 +188,13 @@ class DecodeIntake:
             got = await self.receiver.receive(ticket, timeout_s=self.transfer_timeout_s)
         except TransferError as exc:
             log.warning("kv_receive_failed", request_id=req.request_id, error=str(exc))
-            self.requests.pop(req.request_id, None)
-            self._stream_error(req, f"KV transfer failed: {exc}", exc.code)
+            self.table.requests.pop(req.request_id, None)
+            self.table.stream_error(req, f"KV transfer failed: {exc}", exc.code)
             return
         except asyncio.CancelledError:
-            self.requests.pop(req.request_id, None)
+            self.table.requests.pop(req.request_id, None)
             raise
-        if req.request_id not in self.requests:  # cancelled while installing
+        if req.request_id not in self.table.requests:  # cancelled while installing
             self.bm.free_sequence(got.seq_id)
             return
         t = got.timings_ms
@@ -224,9 +208,7 @@ class DecodeIntake:
         if "migrated_cached_tokens" in meta:  # a live migration: continue where it left off
             self.migrations_in_total += 1
             seq.num_cached_tokens = int(meta["migrated_cached_tokens"])
-            req.phase = "runnable"
-            self.runnable.append(req)
-            self.wakeup.set()
+            self.table.make_runnable(req)
             return
         prefix_len = int(meta["prefix_len"])
         seq.num_cached_tokens = prefix_len
@@ -252,19 +234,17 @@ class DecodeIntake:
                         finish_reason=seq.finish_reason,
                     ),
                 )
-                self._finish(req)
+                self.table.finish(req)
                 self._publish()
                 return
-        req.phase = "runnable"
         req.timestamps["kv_installed_s"] = time.time()
-        self.runnable.append(req)
-        self.wakeup.set()
+        self.table.make_runnable(req)
 
     def admit_migration(self, msg: MigrateRequest) -> AdmitReply:
         """Take over a running request from a peer: reserve, receive its KV, continue."""
         if not self.admitting:
             return AdmitReply(ok=False, error="worker is not admitting decode work")
-        if msg.request_id in self.requests or len(self.requests) >= self.max_num_seqs:
+        if msg.request_id in self.table.requests or len(self.table.requests) >= self.max_num_seqs:
             return AdmitReply(ok=False, error="cannot take this request now")
         req, refusal = self._reserve(
             msg.request_id, msg.prompt_len, msg.num_tokens, msg.sampling, msg.tokens_subject
@@ -276,7 +256,7 @@ class DecodeIntake:
 
     def serve_local(self, msg: PrefillRequest) -> None:
         """Serve a (short) prompt entirely here. Raises NoFreeBlocksError if it cannot fit."""
-        if msg.request_id in self.requests:
+        if msg.request_id in self.table.requests:
             raise ValueError(f"request {msg.request_id} already here")
         n = len(msg.prompt_token_ids)
         self.engine.check_prompt(n)
@@ -286,6 +266,5 @@ class DecodeIntake:
         self.bm.allocate(msg.request_id, blocks * self.bm.block_size)
         seq = self._sequence(msg.request_id, list(msg.prompt_token_ids), msg.sampling)
         req = DecodeRequest(msg.request_id, msg.tokens_subject, seq, time.time(), phase="runnable")
-        self.requests[msg.request_id] = req
-        self.runnable.append(req)
-        self.wakeup.set()
+        self.table.requests[msg.request_id] = req
+        self.table.make_runnable(req)

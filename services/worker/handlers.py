@@ -95,7 +95,7 @@ class WorkerHandlers:
 
     async def on_cancel(self, msg: CancelRequest) -> None:
         found = self._prefill.cancel(msg.request_id) | self._decode.cancel(msg.request_id)
-        peer = self._decode.migrated_to.pop(msg.request_id, None)
+        peer = self._decode.take_migrated_peer(msg.request_id)
         if peer is not None:  # it lives on a peer now: pass the cancel on
             await self._bus.publish(self._subjects.worker_cancel(peer), msg)
         if found:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import structlog
 
 from services.worker.decode_request import DecodeRequest
-from services.worker.decode_role import DecodeRole
+from services.worker.decode_table import DecodeTable
 from shared.bus import Bus
 from shared.engine.interface import StepEngine
 from shared.messages import AdmitReply, CancelRequest, MigrateRequest, Subjects
@@ -37,7 +37,8 @@ _MIGRATE_ADMIT_TIMEOUT_S = 2.0
 
 
 class Migrator:
-    """Moves running requests of ``decode`` to peers. Holds no state of its own."""
+    """Moves running requests out of the decode table ``decode`` to peers. Holds no
+    state of its own."""
 
     def __init__(
         self,
@@ -46,7 +47,7 @@ class Migrator:
         subjects: Subjects,
         engine: StepEngine,
         sender: KVSender,
-        decode: DecodeRole,
+        decode: DecodeTable,
         *,
         secret: bytes,
         transfer_timeout_s: float,

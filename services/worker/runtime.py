@@ -206,7 +206,7 @@ class WorkerRuntime(Service):
                 self.subjects,
                 engine,
                 sender,
-                self.decode,
+                self.decode.table,
                 secret=secret,
                 transfer_timeout_s=cfg.transfer_timeout_s,
             ),
