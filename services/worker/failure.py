@@ -13,11 +13,15 @@ Here the worker
 3. stays ``failed`` for three heartbeat periods (telemetry keeps reporting its freed pool
    and state meanwhile), then asks the process to exit with ``EXIT_ENGINE_FAILED`` so a
    supervisor (compose ``restart: unless-stopped``, systemd, Kubernetes) starts a fresh one.
+
+``FailurePath`` is what the runtime holds: the decode role calls its ``on_engine_failure``;
+``fatal`` is set once the process should exit with ``exit_status``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
@@ -73,3 +77,53 @@ async def fail_worker(
         log.exception("worker_fail_path_failed", worker_id=worker_id)
     finally:
         exit_with(EXIT_ENGINE_FAILED)
+
+
+class FailurePath:
+    """Runs ``fail_worker`` once an engine step failed. ``stop()`` (idempotent) cancels it."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        stop_admitting: Callable[[], None],
+        set_state: Callable[[WorkerState, str], Awaitable[None]],
+        block_manager: BlockManager,
+        transfer_timeout_s: float,
+        heartbeat_s: float,
+    ) -> None:
+        self.worker_id = worker_id
+        self._stop_admitting = stop_admitting
+        self._set_state = set_state
+        self._bm = block_manager
+        self.transfer_timeout_s = transfer_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.fatal = asyncio.Event()  # set when the process must exit with exit_status
+        self.exit_status = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def on_engine_failure(self, exc: BaseException) -> None:
+        """The decode role already ended its requests; take the worker out."""
+        failing = fail_worker(
+            type(exc).__name__,
+            worker_id=self.worker_id,
+            stop_admitting=self._stop_admitting,
+            set_state=self._set_state,
+            block_manager=self._bm,
+            transfer_timeout_s=self.transfer_timeout_s,
+            heartbeat_s=self.heartbeat_s,
+            exit_with=self._exit_with,
+        )
+        self._tasks.append(asyncio.ensure_future(failing))
+
+    def _exit_with(self, status: int) -> None:
+        self.exit_status = status
+        self.fatal.set()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []

@@ -121,6 +121,10 @@ class PrefillRole:
             repair=repair,
             find_capacity=find_capacity,
         )
+        # Entry points (the handlers', the switcher's, the runtime's): the parts'.
+        self.cancel = self.queue.cancel
+        self.requeue = self.queue.requeue  # a job take_queued removed that nobody took
+        self.cancel_background = self.handoff.cancel_all  # the worker stops
         self.current: PrefillJob | None = None
         self.admitting = True
         self.prefills_total = 0
@@ -132,9 +136,6 @@ class PrefillRole:
         A request whose cancel came first is dropped (not queued)."""
         self.engine.check_prompt(len(msg.prompt_token_ids))
         self.queue.enqueue(msg, seed)
-
-    def cancel(self, request_id: str) -> bool:
-        return self.queue.cancel(request_id)
 
     def take_queued(self) -> list[PrefillJob]:
         """Remove and return every queued job that has not started (for a P->D switch)."""
@@ -292,14 +293,6 @@ class PrefillRole:
     def drained(self) -> bool:
         """True when nothing runs, is queued or is being exported (a P->D switch waits)."""
         return self.current is None and not self.handoff.exports and not len(self.queue)
-
-    def requeue(self, job: PrefillJob) -> None:
-        """Put back a job ``take_queued`` removed (no other worker took it)."""
-        self.queue.requeue(job)
-
-    def cancel_background(self) -> None:
-        """Cancel every export and hand-off task (the worker stops)."""
-        self.handoff.cancel_all()
 
     # --------------------------------------------------------------- snapshots
     def stats(self) -> PrefillStats:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,20 +26,22 @@ from prometheus_client import CollectorRegistry
 from services.common.service import Service
 from services.worker.config import PREFILL_CHUNK_TOKENS, WorkerConfig
 from services.worker.decode_role import DecodeRole
-from services.worker.engine_factory import build_engine, fingerprint_of
-from services.worker.failure import fail_worker
+from services.worker.engine_factory import build_engine
+from services.worker.failure import FailurePath
 from services.worker.handlers import WorkerHandlers
 from services.worker.metrics import WorkerMetrics, start_metrics_server
 from services.worker.migration import Migrator
 from services.worker.peers import Peers
 from services.worker.policy import WorkerPolicy, load_policy_config, worker_profile
 from services.worker.prefill_role import PrefillRole
+from services.worker.record import worker_record
 from services.worker.state_events import StateAnnouncer
 from services.worker.status import WorkerStatus
 from services.worker.switch import RoleSwitcher
 from services.worker.switch_lease import SwitchLease
 from services.worker.telemetry import Telemetry
 from services.worker.token_stream import TokenFlusher, TokenStreamer
+from services.worker.transfer_endpoints import open_transfer
 from shared.bus import Bus
 from shared.bus.registry import RegistryConfig, RegistryWatcher, WorkerRegistration
 from shared.engine.interface import StepEngine
@@ -53,12 +54,8 @@ from shared.messages import (
     StreamSequencer,
     Subjects,
     SwitchCommand,
-    WorkerRecord,
 )
 from shared.policy.roles import ACTIVE, STOPPING, WorkerState
-from shared.transfer.receiver import KVReceiver
-from shared.transfer.sender import KVSender
-from shared.transfer.ucx_node import TransferNode, TransferNodeConfig
 
 log = structlog.get_logger(__name__)
 
@@ -76,10 +73,6 @@ class WorkerRuntime(Service):
         self._tasks: list[asyncio.Task[Any]] = []
         self._stopped = False
         self.engine: StepEngine  # set in start()
-        # Set when the worker must exit (engine failure, services/worker/failure.py); the
-        # process then exits with ``exit_status``.
-        self.fatal = asyncio.Event()
-        self.exit_status = 0
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -96,25 +89,21 @@ class WorkerRuntime(Service):
         self.executor = ThreadPoolExecutor(1, thread_name_prefix=f"engine-{wid}")
         engine = self.engine = await loop.run_in_executor(self.executor, build_engine, cfg)
         engine.reslice(self.status.role)  # a prefill worker's arena lends its workspace
-        fingerprint = fingerprint_of(engine)
-        self.node = TransferNode(
-            TransferNodeConfig(cuda_device=cfg.device if cfg.device.startswith("cuda") else None)
-        )
-        await self.node.start()
-        self._stack.push_async_callback(self.node.close)
-        secret = cfg.secret_bytes  # never empty (WorkerConfig checks)
-        sender = KVSender(self.node, worker_id=wid, fingerprint=fingerprint, secret=secret)
-        receiver = KVReceiver(
-            self.node,
-            worker_id=wid,
-            block_manager=engine.block_manager,
-            arena=engine.arena,
-            fingerprint=fingerprint,
-            secret=secret,
-        )
-        self._stack.callback(sender.close)
-        self._stack.callback(receiver.close)
+        transfer = await open_transfer(cfg, engine, self._stack)
+        self.node, sender, receiver = transfer.node, transfer.sender, transfer.receiver
+        secret = cfg.secret_bytes
         self.sequencer = StreamSequencer(wid)
+        self.announcer = StateAnnouncer(
+            wid, self.status, bus, self.subjects, self.sequencer, self._write_record
+        )
+        self.failure = FailurePath(
+            wid,
+            stop_admitting=self._stop_admitting,
+            set_state=self.announcer.set_state,
+            block_manager=engine.block_manager,
+            transfer_timeout_s=cfg.transfer_timeout_s,
+            heartbeat_s=cfg.heartbeat_s,
+        )
         streamer = TokenStreamer(self.sequencer)
         self.flusher = TokenFlusher(streamer, bus, self.subjects, wid)
         self.metrics = WorkerMetrics(self.metrics_registry, wid)
@@ -146,7 +135,7 @@ class WorkerRuntime(Service):
             chunk_budget=policy.chunk_tokens if fluidtoken else None,
             observe_stage=self.metrics.observe_stage,
             observe_step=policy.observe_decode,
-            on_engine_failure=self._on_engine_failure,
+            on_engine_failure=self.failure.on_engine_failure,
         )
         self.prefill = PrefillRole(
             wid,
@@ -190,9 +179,6 @@ class WorkerRuntime(Service):
         await bus.serve(s.worker_prefill(wid), PrefillRequest, h.on_prefill, max_concurrency=64)
         await bus.serve(s.worker_admit(wid), AdmitRequest, h.on_admit, max_concurrency=64)
         await bus.serve(s.worker_cancel(wid), CancelRequest, h.on_cancel, max_concurrency=64)
-        self.announcer = StateAnnouncer(
-            wid, self.status, bus, self.subjects, self.sequencer, self._write_record
-        )
         self.switcher = RoleSwitcher(
             wid,
             self.status,
@@ -243,8 +229,9 @@ class WorkerRuntime(Service):
             asyncio.ensure_future(self.flusher.run()),
         ]
         self.status.set_state(ACTIVE)
+        record = worker_record(cfg, self.status, engine, self.node.address, self.started_at_s)
         self.registration = WorkerRegistration(
-            bus, self.record(), RegistryConfig(heartbeat_s=cfg.heartbeat_s)
+            bus, record, RegistryConfig(heartbeat_s=cfg.heartbeat_s)
         )
         await self.registration.start()
         log.info("worker_started", worker_id=wid, role=self.status.role, **engine.describe())
@@ -269,6 +256,9 @@ class WorkerRuntime(Service):
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        failure = getattr(self, "failure", None)
+        if failure is not None:
+            await failure.stop()
         prefill = getattr(self, "prefill", None)
         if prefill is not None:
             prefill.cancel_background()
@@ -276,29 +266,6 @@ class WorkerRuntime(Service):
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown(wait=True)
-
-    def record(self) -> WorkerRecord:
-        eng = self.engine
-        now = time.time()
-        return WorkerRecord(
-            worker_id=self.cfg.worker_id,
-            role=self.status.role,
-            state=self.status.state,
-            pid=os.getpid(),
-            host=self.cfg.host,
-            ucx_address=self.node.address,
-            model=self.cfg.model,
-            fingerprint=fingerprint_of(eng).digest()[:32],
-            kv_total_blocks=eng.block_manager.num_blocks,
-            kv_block_size=eng.block_manager.block_size,
-            max_model_len=eng.max_model_len,
-            started_at_s=self.started_at_s,
-            heartbeat_at_s=now,
-            heartbeat_period_s=self.cfg.heartbeat_s,
-            engine=eng.kind,
-            decode_reserve_tokens=self.cfg.decode_reserve_tokens,
-            max_num_seqs=self.cfg.max_num_seqs,
-        )
 
     async def _write_record(self, role: Role, state: WorkerState) -> None:
         """A state change, to the registry at once (the announcer's write)."""
@@ -316,27 +283,16 @@ class WorkerRuntime(Service):
         )
 
     # ------------------------------------------------------------------ failure
-    def _on_engine_failure(self, exc: BaseException) -> None:
-        """The decode role already ended its requests; take the worker out (failure.py)."""
-        self._tasks.append(
-            asyncio.ensure_future(
-                fail_worker(
-                    type(exc).__name__,
-                    worker_id=self.cfg.worker_id,
-                    stop_admitting=self._stop_admitting,
-                    set_state=self.announcer.set_state,
-                    block_manager=self.engine.block_manager,
-                    transfer_timeout_s=self.cfg.transfer_timeout_s,
-                    heartbeat_s=self.cfg.heartbeat_s,
-                    exit_with=self._exit_with,
-                )
-            )
-        )
+    @property
+    def fatal(self) -> asyncio.Event:
+        """Set when the worker must exit (engine failure, failure.py) with
+        ``exit_status``."""
+        return self.failure.fatal
+
+    @property
+    def exit_status(self) -> int:
+        return self.failure.exit_status
 
     def _stop_admitting(self) -> None:
         self.prefill.set_admitting(False)
         self.decode.set_admitting(False)
-
-    def _exit_with(self, status: int) -> None:
-        self.exit_status = status
-        self.fatal.set()
