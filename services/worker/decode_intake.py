@@ -93,8 +93,8 @@ class DecodeIntake:
         tokens_subject: str,
     ) -> tuple[DecodeRequest | None, AdmitReply | None]:
         """Reserve blocks for a request whose first ``kv_tokens`` of KV will arrive, and
-        post its receive. Returns (request, None), or (None, refusal) when the pool is short.
-        The prompt's token ids are placeholders: only its KV arrives."""
+        post its receive. Returns (request, None), or (None, refusal) when too few blocks
+        are free. The prompt's token ids are placeholders: only its KV arrives."""
         try:
             ticket = self.receiver.prepare(
                 request_id,

@@ -177,7 +177,7 @@ class PrefillHandoff:
             self._forget(job.request_id)
 
     async def abandon(self, job: PrefillJob, seq_id: str) -> None:
-        """Free the prompt's local blocks and tell the decode side to drop its part."""
+        """Free the prompt's local blocks and tell the decode side to drop its reservation."""
         self.free_local(seq_id)
         await self.cancel_remote(job)
 
