@@ -115,10 +115,6 @@ class DecodeRole:
         assert self._suffix_allowance is not None  # only given to the intake with one
         return self._suffix_allowance(self.stats(), context_tokens, forced)
 
-    @property
-    def admitting(self) -> bool:
-        return self.intake.admitting
-
     def set_admitting(self, admitting: bool) -> None:
         """Admit decode work (True) or refuse it (a drain, a failure). Mutates."""
         self.intake.admitting = admitting

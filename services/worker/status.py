@@ -7,7 +7,7 @@ Only this object holds them, so "who may change the role" has one answer: the sw
 
 from __future__ import annotations
 
-from shared.policy.roles import ACTIVE, DECODE, FAILED, STARTING, Role, WorkerState
+from shared.policy.roles import ACTIVE, FAILED, STARTING, Role, WorkerState
 
 
 class WorkerStatus:
@@ -33,10 +33,6 @@ class WorkerStatus:
     def serves(self, role: Role) -> bool:
         """True while Active in ``role`` (what a request of that role needs)."""
         return self._role == role and self._state == ACTIVE
-
-    @property
-    def decoding(self) -> bool:
-        return self.serves(DECODE)
 
     def set_role(self, role: Role) -> None:
         """The role switch's flip (or its roll-back). Mutates."""

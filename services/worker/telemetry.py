@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import structlog
 
-from services.worker.peers import PEER_FRESH_S, Peers
+from services.worker.peers import Peers
 from services.worker.policy import WorkerPolicy
 from services.worker.stats import DecodeStats, PrefillStats, SwitchStats
 from services.worker.status import WorkerStatus
@@ -77,11 +77,8 @@ class Telemetry:
         status = self._status
         budgets: dict[str, int] = {}
         if status.role == DECODE:
-            budgets = {
-                p: int(policy.steal_budget_tokens)
-                for p, seen in self._peers.prefill_seen_s.items()
-                if now - seen < PEER_FRESH_S
-            }
+            offer = int(policy.steal_budget_tokens)
+            budgets = {p: offer for p in self._peers.fresh_prefill_peers(now)}
         pool = dec.pool
         return WorkerTelemetry(
             publisher_id=self.worker_id,
