@@ -1,4 +1,4 @@
-"""Decode role: admission by reservation, atomic KV install, continuous batching, suffixes.
+"""Decode role: continuous batching of installed requests and stolen suffixes, one loop.
 
 Request life on a decode worker::
 
