@@ -83,11 +83,11 @@ def test_worker_and_simulator_use_the_same_functions() -> None:
     import services.sim.control as sim_control
     import services.sim.router as sim_router
     import services.worker.decode_intake as intake
-    import services.worker.telemetry as telemetry
+    import services.worker.policy as policy
 
-    assert telemetry.suffix_chunk_tokens is sim_cluster.suffix_chunk_tokens
-    assert telemetry.suffix_allowance_tokens is sim_control.suffix_allowance_tokens
-    assert telemetry.offered_budget_tokens is sim_control.offered_budget_tokens
-    assert telemetry.decode_load_from_pool is sim_control.decode_load_from_pool
+    assert policy.suffix_chunk_tokens is sim_cluster.suffix_chunk_tokens
+    assert policy.suffix_allowance_tokens is sim_control.suffix_allowance_tokens
+    assert policy.offered_budget_tokens is sim_control.offered_budget_tokens
+    assert policy.decode_load_from_pool is sim_control.decode_load_from_pool
     assert intake.admission_kv_tokens is sim_cluster.admission_kv_tokens
     assert intake.admission_kv_tokens is sim_router.admission_kv_tokens

@@ -44,6 +44,8 @@ class DecodeAdmission:
         fail: Fail,
         hand_over: HandOver,
         observe_stage: Callable[[str, float], None],
+        repair: Callable[[str], str | None] | None = None,
+        find_capacity: Callable[[str, PrefillJob], str | None] | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.bus = bus
@@ -54,9 +56,9 @@ class DecodeAdmission:
         self._hand_over = hand_over
         self._observe_stage = observe_stage
         # Re-pairing: an Active decode worker to use instead of the given one (or None).
-        self.repair: Callable[[str], str | None] | None = None
+        self.repair = repair
         # An Active decode worker other than the given one with room for the job now.
-        self.find_capacity: Callable[[str, PrefillJob], str | None] | None = None
+        self.find_capacity = find_capacity
         # Requests refused for capacity and waiting for it here (telemetry counts them).
         self.waiting: set[str] = set()
         self.wait_timeouts_total = 0

@@ -12,6 +12,9 @@ from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
 from shared.policy.roles import ROLES, Role
 
 ENGINES = ("torch", "emulated")
+# Prompt tokens one decode iteration carries when nothing else decodes (the policy's chunk
+# budget applies while requests decode): not a flag.
+PREFILL_CHUNK_TOKENS = 512
 
 
 @dataclass(frozen=True)

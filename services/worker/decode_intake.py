@@ -5,8 +5,9 @@
 
 A live migration from a peer arrives the same way (``admit_migration``: the sequence goes
 on where it stopped there); a short prompt routed here whole (``serve_local``) skips the
-transfer. ``DecodeRole`` (decode_role.py) adds the batch loop on top of this base class;
-both act on the one request table the role owns, from the event loop only.
+transfer. ``DecodeRole`` (decode_role.py) holds one ``DecodeIntake`` and gives it its request
+table (decode_table.py): the table is the role's, the intake adds to it, from the event
+loop only.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-from services.worker.decode_waiting import WaitingAdmissions
+from services.worker.decode_request import DecodeRequest
+from services.worker.decode_table import DecodeTable
 from services.worker.params import engine_params
 from services.worker.token_stream import TokenStreamer
 from shared.engine.block_manager import BlockManager
@@ -35,63 +36,39 @@ from shared.transfer.receiver import KVReceiver
 log = structlog.get_logger("services.worker.decode_role")
 
 
-@dataclass(eq=False)
-class DecodeRequest:
-    request_id: str
-    tokens_subject: str
-    seq: Sequence
-    arrival_s: float
-    phase: str = "receiving"  # receiving | runnable
-    receive_task: asyncio.Task[Any] | None = None
-    stolen_tokens: int = 0
-    suffix_token_ids: tuple[int, ...] = ()
-    migrating: bool = False
-    ticket: Any = None
-    receive_started: bool = False
-    timestamps: dict[str, float] = field(default_factory=dict)
-
-
 class DecodeIntake:
-    """Admission and KV intake for ``DecodeRole``. A base class, not a service of its own:
-    the attributes below are the role's (set in ``DecodeRole.__init__``)."""
+    """Admission and KV intake for ``DecodeRole``. Adds to the role's table (given here);
+    ``admitting`` is switched by the role (``DecodeRole.set_admitting``)."""
 
-    engine: StepEngine
-    bm: BlockManager
-    receiver: KVReceiver
-    streamer: TokenStreamer
-    _publish: Callable[[], Any]
-    transfer_timeout_s: float
-    max_num_seqs: int
-    decode_reserve_tokens: int
-    _suffix_budget: Callable[[str, int, bool], int] | None
-    requests: dict[str, DecodeRequest]
-    waiting: WaitingAdmissions
-    runnable: list[DecodeRequest]
-    _cancelled: dict[str, None]
-    wakeup: asyncio.Event
-    admitting: bool
-    refused_steals_total: int
-    migrations_in_total: int
-    observe_stage: Callable[[str, float], None]
-
-    def _finish(self, req: DecodeRequest) -> None:
-        """Drop ``req`` and free its blocks (the role's; see DecodeRole._finish)."""
-        raise NotImplementedError
-
-    def _stream_error(self, req: DecodeRequest, error: str, code: str) -> None:
-        """End ``req``'s token stream with an error item and ask for a flush. Does not drop
-        the request: the caller does."""
-        self.streamer.add(
-            req.tokens_subject,
-            TokenItem(
-                request_id=req.request_id,
-                index=len(req.seq.output_token_ids),
-                finish_reason="error",
-                error=error,
-                error_code=code,
-            ),
-        )
-        self._publish()
+    def __init__(
+        self,
+        engine: StepEngine,
+        receiver: KVReceiver,
+        streamer: TokenStreamer,
+        publish: Callable[[], Any],
+        *,
+        table: DecodeTable,
+        observe_stage: Callable[[str, float], None],
+        suffix_budget: Callable[[int, bool], int] | None,
+        transfer_timeout_s: float,
+        max_num_seqs: int,
+        decode_reserve_tokens: int,
+    ) -> None:
+        self.engine = engine
+        self.bm: BlockManager = engine.block_manager
+        self.receiver = receiver
+        self.streamer = streamer
+        self._publish = publish
+        self.table = table
+        self.observe_stage = observe_stage
+        # (context tokens, forced) -> suffix tokens we accept now (the policy's re-check).
+        self._suffix_budget = suffix_budget
+        self.transfer_timeout_s = transfer_timeout_s
+        self.max_num_seqs = max_num_seqs
+        self.decode_reserve_tokens = decode_reserve_tokens
+        self.admitting = True
+        self.refused_steals_total = 0
+        self.migrations_in_total = 0
 
     def _blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
         """Blocks reserved at admission: the prompt plus a decode horizon. Longer outputs
@@ -116,8 +93,8 @@ class DecodeIntake:
         tokens_subject: str,
     ) -> tuple[DecodeRequest | None, AdmitReply | None]:
         """Reserve blocks for a request whose first ``kv_tokens`` of KV will arrive, and
-        post its receive. Returns (request, None), or (None, refusal) when the pool is short.
-        The prompt's token ids are placeholders: only its KV arrives."""
+        post its receive. Returns (request, None), or (None, refusal) when too few blocks
+        are free. The prompt's token ids are placeholders: only its KV arrives."""
         try:
             ticket = self.receiver.prepare(
                 request_id,
@@ -130,7 +107,7 @@ class DecodeIntake:
             return None, AdmitReply(ok=False, error=str(exc), retry_after_ms=50)
         seq = self._sequence(request_id, [0] * prompt_len, sampling)
         req = DecodeRequest(request_id, tokens_subject, seq, time.time(), ticket=ticket)
-        self.requests[request_id] = req
+        self.table.requests[request_id] = req
         return req, None
 
     def _start_receive(self, req: DecodeRequest, suffix_len: int = 0) -> AdmitReply:
@@ -149,13 +126,13 @@ class DecodeIntake:
             return AdmitReply(
                 ok=False, error="worker is not admitting decode work", retry_after_ms=0
             )
-        if msg.request_id in self.requests:
+        if msg.request_id in self.table.requests:
             return AdmitReply(ok=False, error=f"request {msg.request_id} already admitted")
-        if msg.request_id in self._cancelled:
+        if msg.request_id in self.table.cancelled:
             return AdmitReply(ok=False, error=f"request {msg.request_id} was cancelled")
         # Requests refused earlier and still waiting are served first (decode_waiting.py).
-        ahead = self.waiting.ahead(msg.request_id, time.monotonic())
-        if len(self.requests) + ahead.requests >= self.max_num_seqs:
+        ahead = self.table.waiting.ahead(msg.request_id, time.monotonic())
+        if len(self.table.requests) + ahead.requests >= self.max_num_seqs:
             # The prefill worker keeps the request waiting (its KV held there) and retries:
             # count it, so that DPI_adm and telemetry show the demand we refused.
             self._note_waiting(msg)
@@ -169,9 +146,7 @@ class DecodeIntake:
                 )
         suffix_len = msg.suffix_len
         if suffix_len and self._suffix_budget is not None:
-            allowed = self._suffix_budget(
-                msg.prefill_worker_id, msg.prompt_len - suffix_len, msg.forced_split
-            )
+            allowed = self._suffix_budget(msg.prompt_len - suffix_len, msg.forced_split)
             if suffix_len > allowed:
                 # Re-check our own budget: refuse the steal rather than overrun TPOT.
                 self.refused_steals_total += 1
@@ -188,7 +163,7 @@ class DecodeIntake:
             if refusal.retry_after_ms:
                 self._note_waiting(msg)
             return refusal
-        self.waiting.drop(msg.request_id)
+        self.table.waiting.drop(msg.request_id)
         if suffix_len:
             req.suffix_token_ids = tuple(msg.suffix_token_ids)
         return self._start_receive(req, suffix_len)
@@ -197,7 +172,7 @@ class DecodeIntake:
         kv = admission_kv_tokens(
             msg.prompt_len, msg.max_tokens, self.decode_reserve_tokens, self.engine.max_model_len
         )
-        self.waiting.note(msg.request_id, kv, time.monotonic())
+        self.table.waiting.note(msg.request_id, kv, time.monotonic())
 
     def _release_unstarted(self, req: DecodeRequest) -> None:
         """A receive task cancelled before its first step (admit and cancel both queued
@@ -213,13 +188,13 @@ class DecodeIntake:
             got = await self.receiver.receive(ticket, timeout_s=self.transfer_timeout_s)
         except TransferError as exc:
             log.warning("kv_receive_failed", request_id=req.request_id, error=str(exc))
-            self.requests.pop(req.request_id, None)
-            self._stream_error(req, f"KV transfer failed: {exc}", exc.code)
+            self.table.requests.pop(req.request_id, None)
+            self.table.stream_error(req, f"KV transfer failed: {exc}", exc.code)
             return
         except asyncio.CancelledError:
-            self.requests.pop(req.request_id, None)
+            self.table.requests.pop(req.request_id, None)
             raise
-        if req.request_id not in self.requests:  # cancelled while installing
+        if req.request_id not in self.table.requests:  # cancelled while installing
             self.bm.free_sequence(got.seq_id)
             return
         t = got.timings_ms
@@ -233,9 +208,7 @@ class DecodeIntake:
         if "migrated_cached_tokens" in meta:  # a live migration: continue where it left off
             self.migrations_in_total += 1
             seq.num_cached_tokens = int(meta["migrated_cached_tokens"])
-            req.phase = "runnable"
-            self.runnable.append(req)
-            self.wakeup.set()
+            self.table.make_runnable(req)
             return
         prefix_len = int(meta["prefix_len"])
         seq.num_cached_tokens = prefix_len
@@ -261,19 +234,17 @@ class DecodeIntake:
                         finish_reason=seq.finish_reason,
                     ),
                 )
-                self._finish(req)
+                self.table.finish(req)
                 self._publish()
                 return
-        req.phase = "runnable"
         req.timestamps["kv_installed_s"] = time.time()
-        self.runnable.append(req)
-        self.wakeup.set()
+        self.table.make_runnable(req)
 
     def admit_migration(self, msg: MigrateRequest) -> AdmitReply:
         """Take over a running request from a peer: reserve, receive its KV, continue."""
         if not self.admitting:
             return AdmitReply(ok=False, error="worker is not admitting decode work")
-        if msg.request_id in self.requests or len(self.requests) >= self.max_num_seqs:
+        if msg.request_id in self.table.requests or len(self.table.requests) >= self.max_num_seqs:
             return AdmitReply(ok=False, error="cannot take this request now")
         req, refusal = self._reserve(
             msg.request_id, msg.prompt_len, msg.num_tokens, msg.sampling, msg.tokens_subject
@@ -285,7 +256,7 @@ class DecodeIntake:
 
     def serve_local(self, msg: PrefillRequest) -> None:
         """Serve a (short) prompt entirely here. Raises NoFreeBlocksError if it cannot fit."""
-        if msg.request_id in self.requests:
+        if msg.request_id in self.table.requests:
             raise ValueError(f"request {msg.request_id} already here")
         n = len(msg.prompt_token_ids)
         self.engine.check_prompt(n)
@@ -295,6 +266,5 @@ class DecodeIntake:
         self.bm.allocate(msg.request_id, blocks * self.bm.block_size)
         seq = self._sequence(msg.request_id, list(msg.prompt_token_ids), msg.sampling)
         req = DecodeRequest(msg.request_id, msg.tokens_subject, seq, time.time(), phase="runnable")
-        self.requests[msg.request_id] = req
-        self.runnable.append(req)
-        self.wakeup.set()
+        self.table.requests[msg.request_id] = req
+        self.table.make_runnable(req)

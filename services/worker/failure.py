@@ -13,20 +13,22 @@ Here the worker
 3. stays ``failed`` for three heartbeat periods (telemetry keeps reporting its freed pool
    and state meanwhile), then asks the process to exit with ``EXIT_ENGINE_FAILED`` so a
    supervisor (compose ``restart: unless-stopped``, systemd, Kubernetes) starts a fresh one.
+
+``FailurePath`` is what the runtime holds: the decode role calls its ``on_engine_failure``;
+``fatal`` is set once the process should exit with ``exit_status``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
 
 import structlog
 
-from shared.policy.roles import FAILED
-
-if TYPE_CHECKING:
-    from services.worker.runtime import WorkerRuntime
+from shared.engine.block_manager import BlockManager
+from shared.policy.roles import FAILED, WorkerState
 
 log = structlog.get_logger(__name__)
 
@@ -34,14 +36,24 @@ EXIT_ENGINE_FAILED = 3  # the worker's exit status after an engine failure
 _POLL_S = 0.02  # re-check period while cancelled receives release their blocks
 
 
-async def fail_worker(rt: WorkerRuntime, error: str) -> None:
-    """Take ``rt`` out of service after an engine failure and set ``rt.fatal``. Never
-    raises (a failure to publish is logged; the exit still happens)."""
+async def fail_worker(
+    error: str,
+    *,
+    worker_id: str,
+    stop_admitting: Callable[[], None],
+    set_state: Callable[[WorkerState, str], Awaitable[None]],
+    block_manager: BlockManager,
+    transfer_timeout_s: float,
+    heartbeat_s: float,
+    exit_with: Callable[[int], None],
+) -> None:
+    """Take the worker out of service after an engine failure, then ``exit_with`` the exit
+    status. Never raises (a failure to publish is logged; the exit still happens)."""
     try:
-        rt.prefill.admitting = rt.decode.admitting = False
-        await rt.switcher.set_state(FAILED, f"engine failed: {error}")
-        bm = rt.engine.block_manager
-        deadline = time.monotonic() + rt.cfg.transfer_timeout_s + 1.0
+        stop_admitting()
+        await set_state(FAILED, f"engine failed: {error}")
+        bm = block_manager
+        deadline = time.monotonic() + transfer_timeout_s + 1.0
         # A cancelled receive frees its reservation only once UCX let go of its buffers.
         while bm.num_reserved_blocks and time.monotonic() < deadline:
             await asyncio.sleep(_POLL_S)
@@ -52,7 +64,7 @@ async def fail_worker(rt: WorkerRuntime, error: str) -> None:
             integrity = f"{type(exc).__name__}: {exc}"
         log.error(
             "worker_failed",
-            worker_id=rt.cfg.worker_id,
+            worker_id=worker_id,
             error=error,
             free_blocks=bm.num_free_blocks,
             usable_blocks=bm.num_usable_blocks,
@@ -60,9 +72,58 @@ async def fail_worker(rt: WorkerRuntime, error: str) -> None:
             integrity=integrity,
             exit_status=EXIT_ENGINE_FAILED,
         )
-        await asyncio.sleep(3 * rt.cfg.heartbeat_s)  # a period: others see "failed"
+        await asyncio.sleep(3 * heartbeat_s)  # a period: others see "failed"
     except Exception:
-        log.exception("worker_fail_path_failed", worker_id=rt.cfg.worker_id)
+        log.exception("worker_fail_path_failed", worker_id=worker_id)
     finally:
-        rt.exit_status = EXIT_ENGINE_FAILED
-        rt.fatal.set()
+        exit_with(EXIT_ENGINE_FAILED)
+
+
+class FailurePath:
+    """Runs ``fail_worker`` once an engine step failed. ``stop()`` (idempotent) cancels it."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        stop_admitting: Callable[[], None],
+        set_state: Callable[[WorkerState, str], Awaitable[None]],
+        block_manager: BlockManager,
+        transfer_timeout_s: float,
+        heartbeat_s: float,
+    ) -> None:
+        self.worker_id = worker_id
+        self._stop_admitting = stop_admitting
+        self._set_state = set_state
+        self._bm = block_manager
+        self.transfer_timeout_s = transfer_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.fatal = asyncio.Event()  # set when the process must exit with exit_status
+        self.exit_status = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def on_engine_failure(self, exc: BaseException) -> None:
+        """The decode role already ended its requests; take the worker out."""
+        failing = fail_worker(
+            type(exc).__name__,
+            worker_id=self.worker_id,
+            stop_admitting=self._stop_admitting,
+            set_state=self._set_state,
+            block_manager=self._bm,
+            transfer_timeout_s=self.transfer_timeout_s,
+            heartbeat_s=self.heartbeat_s,
+            exit_with=self._exit_with,
+        )
+        self._tasks.append(asyncio.ensure_future(failing))
+
+    def _exit_with(self, status: int) -> None:
+        self.exit_status = status
+        self.fatal.set()
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []

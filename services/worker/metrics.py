@@ -7,17 +7,14 @@ the work happens (TTFT stages, step times). Served on ``--metrics-port`` at ``/m
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
 
-from shared.policy.predictors import TIME_COEFFICIENTS
-from shared.policy.roles import ROLES, SERVING_STATES
-
-if TYPE_CHECKING:
-    from services.worker.runtime import WorkerRuntime
+from services.worker.stats import DecodeStats, PrefillStats, PressureSignals, SwitchStats
+from shared.policy.predictors import TIME_COEFFICIENTS, LatencyProfile
+from shared.policy.roles import ROLES, SERVING_STATES, Role, WorkerState
 
 # TTFT breakdown: where a request's time to first token goes, stage by stage.
 TTFT_STAGES = (
@@ -132,31 +129,46 @@ class WorkerMetrics:
     def observe_stage(self, stage: str, seconds: float) -> None:
         self.ttft_stage.labels(self.worker_id, stage).observe(max(0.0, seconds))
 
-    def refresh(self, rt: WorkerRuntime) -> None:
+    def observe_step(self, kind: str, seconds: float) -> None:
+        """One engine step of ``kind`` (prefill | decode | mixed)."""
+        self.step.labels(self.worker_id, kind).observe(seconds)
+
+    def set_predictor_error(self, predictor: str, relative_error: float) -> None:
+        self.predictor_error.labels(self.worker_id, predictor).set(relative_error)
+
+    def refresh(
+        self,
+        role: Role,
+        state: WorkerState,
+        signals: PressureSignals,
+        profile: LatencyProfile,
+        decode: DecodeStats,
+        prefill: PrefillStats,
+        switch: SwitchStats,
+    ) -> None:
+        """Set every gauge from the given snapshots (before a scrape)."""
         wid = self.worker_id
-        for role in ROLES:
-            self.role.labels(wid, role).set(1 if rt.role == role else 0)
-        for state in SERVING_STATES:
-            self.state.labels(wid, state).set(1 if rt.state == state else 0)
-        t = rt.telemetry
-        self.ppi.labels(wid).set(t.ppi)
-        self.dpi_load.labels(wid).set(t.dpi_load)
-        self.dpi_adm.labels(wid).set(t.dpi_adm)
-        self.steal_budget.labels(wid).set(t.steal_budget_tokens)
-        bm = rt.engine.block_manager
-        self.kv_free.labels(wid).set(bm.num_free_blocks)
-        self.kv_total.labels(wid).set(bm.num_usable_blocks)
-        self.kv_reserved.labels(wid).set(bm.num_reserved_blocks)
-        self.queue_len.labels(wid).set(rt.prefill.queue_len)
-        self.running.labels(wid).set(rt.decode.num_running)
-        self.stolen.labels(wid).set(rt.decode.stolen_tokens_total)
-        self.handed_off.labels(wid).set(rt.prefill.handed_off_tokens_total)
-        self.splits.labels(wid).set(rt.prefill.split_requests_total)
-        self.refused.labels(wid).set(rt.decode.refused_steals_total)
-        self.switches.labels(wid).set(rt.switcher.switches_total)
-        prof = t.profile
+        for r in ROLES:
+            self.role.labels(wid, r).set(1 if role == r else 0)
+        for st in SERVING_STATES:
+            self.state.labels(wid, st).set(1 if state == st else 0)
+        self.ppi.labels(wid).set(signals.ppi)
+        self.dpi_load.labels(wid).set(signals.dpi_load)
+        self.dpi_adm.labels(wid).set(signals.dpi_adm)
+        self.steal_budget.labels(wid).set(signals.steal_budget_tokens)
+        pool = decode.pool
+        self.kv_free.labels(wid).set(pool.free_blocks)
+        self.kv_total.labels(wid).set(pool.usable_blocks)
+        self.kv_reserved.labels(wid).set(pool.reserved_blocks)
+        self.queue_len.labels(wid).set(prefill.queue_len)
+        self.running.labels(wid).set(decode.num_running)
+        self.stolen.labels(wid).set(decode.stolen_tokens_total)
+        self.handed_off.labels(wid).set(prefill.handed_off_tokens_total)
+        self.splits.labels(wid).set(prefill.split_requests_total)
+        self.refused.labels(wid).set(decode.refused_steals_total)
+        self.switches.labels(wid).set(switch.switches_total)
         for name in TIME_COEFFICIENTS:
-            self.coefficient.labels(wid, name).set(getattr(prof, name))
+            self.coefficient.labels(wid, name).set(getattr(profile, name))
 
 
 async def start_metrics_server(

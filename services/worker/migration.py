@@ -19,136 +19,165 @@ Outcomes, and what becomes of the request here:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import structlog
 
-from shared.messages import AdmitReply, CancelRequest, MigrateRequest
+from services.worker.decode_request import DecodeRequest
+from services.worker.decode_table import DecodeTable
+from shared.bus import Bus
+from shared.engine.interface import StepEngine
+from shared.messages import AdmitReply, CancelRequest, MigrateRequest, Subjects
 from shared.messages import SamplingParams as WireParams
 from shared.transfer.envelope import TransferTicket
 from shared.transfer.errors import TransferError
-
-if TYPE_CHECKING:
-    from services.worker.decode_intake import DecodeRequest
-    from services.worker.runtime import WorkerRuntime
+from shared.transfer.sender import KVSender
 
 log = structlog.get_logger(__name__)
 
 _MIGRATE_ADMIT_TIMEOUT_S = 2.0
 
 
-def _message(rt: WorkerRuntime, req: DecodeRequest) -> MigrateRequest:
-    seq = req.seq
-    p = seq.params
-    return MigrateRequest(
-        request_id=req.request_id,
-        router_id="migrated",
-        tokens_subject=req.tokens_subject,
-        source_worker_id=rt.cfg.worker_id,
-        prompt_len=len(seq.prompt_token_ids),
-        num_tokens=seq.num_cached_tokens,
-        generated_token_ids=tuple(seq.output_token_ids),
-        sampling=WireParams(
-            max_tokens=p.max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=max(0, p.top_k),
-            seed=seq.seed,
-            stop_token_ids=tuple(p.stop_token_ids),
-            ignore_eos=p.ignore_eos,
-            # The peer scores only the prompt rows it still computes; sent ones stay sent.
-            logprobs=p.logprobs,
-            prompt_logprobs=p.prompt_logprobs,
-        ),
-        rng_offset=len(seq.output_token_ids),
-    )
+class Migrator:
+    """Moves running requests out of the decode table ``decode`` to peers. Holds no
+    state of its own."""
 
+    def __init__(
+        self,
+        worker_id: str,
+        bus: Bus,
+        subjects: Subjects,
+        engine: StepEngine,
+        sender: KVSender,
+        decode: DecodeTable,
+        *,
+        secret: bytes,
+        transfer_timeout_s: float,
+    ) -> None:
+        self.worker_id = worker_id
+        self._bus = bus
+        self._subjects = subjects
+        self._engine = engine
+        self._sender = sender
+        self._decode = decode
+        self._secret = secret
+        self.transfer_timeout_s = transfer_timeout_s
 
-async def _cancel_on(rt: WorkerRuntime, peer: str, request_id: str, reason: str) -> None:
-    """Ask ``peer`` to drop what it holds of ``request_id`` (a reservation or a copy)."""
-    try:
-        await rt.bus.publish(
-            rt.subjects.worker_cancel(peer), CancelRequest(request_id=request_id, reason=reason)
+    def _message(self, req: DecodeRequest) -> MigrateRequest:
+        seq = req.seq
+        p = seq.params
+        return MigrateRequest(
+            request_id=req.request_id,
+            router_id="migrated",
+            tokens_subject=req.tokens_subject,
+            source_worker_id=self.worker_id,
+            prompt_len=len(seq.prompt_token_ids),
+            num_tokens=seq.num_cached_tokens,
+            generated_token_ids=tuple(seq.output_token_ids),
+            sampling=WireParams(
+                max_tokens=p.max_tokens,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=max(0, p.top_k),
+                seed=seq.seed,
+                stop_token_ids=tuple(p.stop_token_ids),
+                ignore_eos=p.ignore_eos,
+                # The peer scores only the prompt rows it still computes; sent ones stay sent.
+                logprobs=p.logprobs,
+                prompt_logprobs=p.prompt_logprobs,
+            ),
+            rng_offset=len(seq.output_token_ids),
         )
-    except Exception as exc:  # the peer's receive deadline frees it anyway
-        log.warning("migration_cancel_failed", request_id=request_id, peer=peer, error=str(exc))
 
+    async def _cancel_on(self, peer: str, request_id: str, reason: str) -> None:
+        """Ask ``peer`` to drop what it holds of ``request_id`` (a reservation or a copy)."""
+        try:
+            await self._bus.publish(
+                self._subjects.worker_cancel(peer),
+                CancelRequest(request_id=request_id, reason=reason),
+            )
+        except Exception as exc:  # the peer's receive deadline frees it anyway
+            log.warning("migration_cancel_failed", request_id=request_id, peer=peer, error=str(exc))
 
-def _nothing_installed(exc: BaseException) -> bool:
-    """True when ``exc`` from ``KVSender.send`` proves the peer installed nothing."""
-    return isinstance(exc, ValueError) or (isinstance(exc, TransferError) and exc.retryable)
+    @staticmethod
+    def _nothing_installed(exc: BaseException) -> bool:
+        """True when ``exc`` from ``KVSender.send`` proves the peer installed nothing."""
+        return isinstance(exc, ValueError) or (isinstance(exc, TransferError) and exc.retryable)
 
+    async def migrate_out(self, request_id: str, peers: list[str]) -> bool:
+        """Live-migrate a running decode request to the first of ``peers`` that takes it.
 
-async def migrate_out(rt: WorkerRuntime, request_id: str, peers: list[str]) -> bool:
-    """Live-migrate a running decode request to the first of ``peers`` that takes it.
-
-    Returns True when the request no longer runs here (moved, or it finished or was
-    cancelled meanwhile, or it was failed because the outcome is unknown), False when it
-    resumed here (no peer took it). Never leaves it frozen; never raises but for
-    cancellation (which resumes it)."""
-    dec = rt.decode
-    req = await dec.freeze(request_id)
-    if req is None:
-        return True  # finished or cancelled meanwhile: nothing left to move
-    settled = False
-    try:
-        msg = _message(rt, req)
-        num_tokens = req.seq.num_cached_tokens
-        for peer in peers:
-            try:
-                reply = await rt.bus.request(
-                    rt.subjects.worker_migrate(peer), msg, AdmitReply, _MIGRATE_ADMIT_TIMEOUT_S
-                )
-            except Exception:
-                continue
-            if not reply.ok:
-                continue
-            try:  # e.g. the peer seals with another cluster secret (rotation)
-                ticket = TransferTicket.decode(reply.ticket, rt.secret)
-            except Exception as exc:
-                log.warning(
-                    "migration_ticket_rejected",
-                    request_id=request_id,
-                    peer=peer,
-                    error=str(exc)[:200],
-                )
-                await _cancel_on(rt, peer, request_id, "migration ticket rejected")
-                continue
-            table = rt.engine.block_manager.block_table(request_id)[: ticket.num_blocks]
-            try:
-                await rt.sender.send(
-                    ticket,
-                    rt.engine.arena,
-                    table,
-                    timeout_s=rt.cfg.transfer_timeout_s,
-                    meta={"migrated_cached_tokens": num_tokens},
-                )
-            except Exception as exc:
-                if _nothing_installed(exc):
-                    log.warning(
-                        "migration_failed", request_id=request_id, peer=peer, error=str(exc)[:200]
+        Returns True when the request no longer runs here (moved, or it finished or was
+        cancelled meanwhile, or it was failed because the outcome is unknown), False when it
+        resumed here (no peer took it). Never leaves it frozen; never raises but for
+        cancellation (which resumes it)."""
+        dec = self._decode
+        req = await dec.freeze(request_id)
+        if req is None:
+            return True  # finished or cancelled meanwhile: nothing left to move
+        settled = False
+        try:
+            msg = self._message(req)
+            num_tokens = req.seq.num_cached_tokens
+            for peer in peers:
+                try:
+                    reply = await self._bus.request(
+                        self._subjects.worker_migrate(peer),
+                        msg,
+                        AdmitReply,
+                        _MIGRATE_ADMIT_TIMEOUT_S,
                     )
+                except Exception:
                     continue
-                log.error(
-                    "migration_outcome_unknown",
-                    request_id=request_id,
-                    peer=peer,
-                    error=str(exc)[:200],
-                )
+                if not reply.ok:
+                    continue
+                try:  # e.g. the peer seals with another cluster secret (rotation)
+                    ticket = TransferTicket.decode(reply.ticket, self._secret)
+                except Exception as exc:
+                    log.warning(
+                        "migration_ticket_rejected",
+                        request_id=request_id,
+                        peer=peer,
+                        error=str(exc)[:200],
+                    )
+                    await self._cancel_on(peer, request_id, "migration ticket rejected")
+                    continue
+                table = self._engine.block_manager.block_table(request_id)[: ticket.num_blocks]
+                try:
+                    await self._sender.send(
+                        ticket,
+                        self._engine.arena,
+                        table,
+                        timeout_s=self.transfer_timeout_s,
+                        meta={"migrated_cached_tokens": num_tokens},
+                    )
+                except Exception as exc:
+                    if self._nothing_installed(exc):
+                        log.warning(
+                            "migration_failed",
+                            request_id=request_id,
+                            peer=peer,
+                            error=str(exc)[:200],
+                        )
+                        continue
+                    log.error(
+                        "migration_outcome_unknown",
+                        request_id=request_id,
+                        peer=peer,
+                        error=str(exc)[:200],
+                    )
+                    settled = True
+                    dec.fail_frozen(
+                        req,
+                        f"moving this request to worker {peer} failed with an unknown outcome "
+                        "(it is not resumed, so that it never runs twice); retry",
+                        "migration_failed",
+                    )
+                    await self._cancel_on(peer, request_id, "migration outcome unknown")
+                    return True
                 settled = True
-                dec.fail_frozen(
-                    req,
-                    f"moving this request to worker {peer} failed with an unknown outcome "
-                    "(it is not resumed, so that it never runs twice); retry",
-                    "migration_failed",
-                )
-                await _cancel_on(rt, peer, request_id, "migration outcome unknown")
+                dec.migrated(req, peer)
+                log.info("request_migrated", request_id=request_id, peer=peer, kv_tokens=num_tokens)
                 return True
-            settled = True
-            dec.migrated(req, peer)
-            log.info("request_migrated", request_id=request_id, peer=peer, kv_tokens=num_tokens)
-            return True
-        return False
-    finally:
-        if not settled:
-            dec.unfreeze(req)
+            return False
+        finally:
+            if not settled:
+                dec.unfreeze(req)

@@ -6,8 +6,9 @@
       -> local blocks freed when UCX no longer reads them
 
 A failed or cancelled hand-off frees the local blocks and tells the decode side to drop
-its part. ``PrefillRole`` (prefill_role.py) adds the queue and the prefill loop on top of
-this base class; both act on the role's job table from the event loop only.
+its share. ``PrefillRole`` (prefill_role.py) holds one ``PrefillHandoff`` and runs the
+queue and the prefill loop; the hand-off tells the role when a job leaves (``forget``).
+Event loop only.
 """
 
 from __future__ import annotations
@@ -35,29 +36,59 @@ log = structlog.get_logger("services.worker.prefill_role")
 
 
 class PrefillHandoff:
-    """Reservation wait and KV export for ``PrefillRole``. A base class, not a service of
-    its own: the attributes below are the role's (set in ``PrefillRole.__init__``)."""
+    """Reservation wait and KV export for ``PrefillRole``. Owns the export and hand-off
+    tasks (``exports``, ``handoffs``) and the split counters."""
 
-    engine: StepEngine
-    bm: BlockManager
-    bus: Bus
-    subjects: Subjects
-    sender: KVSender
-    _secret: bytes
-    transfer_timeout_s: float
-    jobs: dict[str, PrefillJob]
-    exports: set[asyncio.Task[None]]
-    handoffs: set[asyncio.Task[None]]
-    progress: asyncio.Event
-    split_requests_total: int
-    handed_off_tokens_total: int
-    observe_stage: Callable[[str, float], None]
+    def __init__(
+        self,
+        engine: StepEngine,
+        bus: Bus,
+        subjects: Subjects,
+        sender: KVSender,
+        *,
+        secret: bytes,
+        transfer_timeout_s: float,
+        progress: asyncio.Event,
+        forget: Callable[[str], None],
+        fail: Callable[[PrefillJob, str, str], None],
+        observe_stage: Callable[[str, float], None],
+    ) -> None:
+        """``progress`` is the role's (set when an export or hand-off ends); ``forget``
+        drops a job from the role's table; ``fail`` ends a job with an error item."""
+        self.engine = engine
+        self.bm: BlockManager = engine.block_manager
+        self.bus = bus
+        self.subjects = subjects
+        self.sender = sender
+        self._secret = secret
+        self.transfer_timeout_s = transfer_timeout_s
+        self.progress = progress
+        self._forget = forget
+        self._fail = fail
+        self.observe_stage = observe_stage
+        self.exports: set[asyncio.Task[None]] = set()
+        # Computed prompts waiting for their decode reservation (KV held here). Not exports:
+        # a P->D switch does not wait for them (after the flip they go on waiting for a
+        # decode peer; only the export that follows an admission is flushed before it).
+        self.handoffs: set[asyncio.Task[None]] = set()
+        self.split_requests_total = 0
+        self.handed_off_tokens_total = 0
 
-    def _fail(self, job: PrefillJob, error: str, code: str) -> None:
-        """End ``job`` with an error item to the router (the role's; see PrefillRole)."""
-        raise NotImplementedError
+    def holders(self) -> set[asyncio.Task[None]]:
+        """The tasks that hold local blocks (their KV is on the wire or waits)."""
+        return self.exports | self.handoffs
 
-    async def _admitted(
+    def hold(self, task: asyncio.Task[None]) -> None:
+        """Track a background hand-off (``admitted``) until it ends."""
+        self.handoffs.add(task)
+        task.add_done_callback(self._handoff_done)
+
+    def cancel_all(self) -> None:
+        """Cancel every export and hand-off task (the worker stops)."""
+        for task in [*self.exports, *self.handoffs]:
+            task.cancel()
+
+    async def admitted(
         self,
         job: PrefillJob,
         admitting: asyncio.Future[AdmitReply | None],
@@ -70,22 +101,22 @@ class PrefillHandoff:
             admit = await admitting
         except BaseException:  # cancelled (worker stopping) or the admit raised
             admitting.cancel()
-            self._free_local(seq_id)
-            self.jobs.pop(job.request_id, None)
+            self.free_local(seq_id)
+            self._forget(job.request_id)
             raise
         if admit is None or job.cancelled:  # a failed admit already told the router
-            self._free_local(seq_id)
-            self.jobs.pop(job.request_id, None)
+            self.free_local(seq_id)
+            self._forget(job.request_id)
             if admit is not None:
-                await self._cancel_remote(job)
+                await self.cancel_remote(job)
             return
         try:
-            await self._start_export(job, admit, seq_id, prefix_len, first)
+            await self.start_export(job, admit, seq_id, prefix_len, first)
         except Exception as exc:  # in the background: end the request clearly
             log.exception("prefill_failed", request_id=job.request_id)
             self._fail(job, f"prefill failed: {type(exc).__name__}: {exc}", "internal_error")
 
-    async def _start_export(
+    async def start_export(
         self, job: PrefillJob, admit: AdmitReply, seq_id: str, prefix_len: int, first: Any
     ) -> None:
         suffix_len = job.prompt_len - prefix_len
@@ -95,14 +126,14 @@ class PrefillHandoff:
         try:
             ticket = TransferTicket.decode(admit.ticket, self._secret)
         except BaseException:  # a ticket we cannot open (wrong cluster secret): free both sides
-            await self._abandon(job, seq_id)
+            await self.abandon(job, seq_id)
             raise
         meta = {"prefix_len": prefix_len, "first_token": first}
         task = asyncio.ensure_future(self._export(job, ticket, seq_id, meta))
         self.exports.add(task)
         task.add_done_callback(self._export_done)
 
-    def _free_local(self, seq_id: str) -> None:
+    def free_local(self, seq_id: str) -> None:
         if self.bm.has_sequence(seq_id):
             self.bm.free_sequence(seq_id)
 
@@ -143,14 +174,14 @@ class PrefillHandoff:
             self._fail(job, f"KV transfer failed: {exc}", exc.code)
         finally:
             release()
-            self.jobs.pop(job.request_id, None)
+            self._forget(job.request_id)
 
-    async def _abandon(self, job: PrefillJob, seq_id: str) -> None:
-        """Free the prompt's local blocks and tell the decode side to drop its part."""
-        self._free_local(seq_id)
-        await self._cancel_remote(job)
+    async def abandon(self, job: PrefillJob, seq_id: str) -> None:
+        """Free the prompt's local blocks and tell the decode side to drop its reservation."""
+        self.free_local(seq_id)
+        await self.cancel_remote(job)
 
-    async def _cancel_remote(self, job: PrefillJob) -> None:
+    async def cancel_remote(self, job: PrefillJob) -> None:
         with contextlib.suppress(BusError):  # best effort: D also has its own deadline
             await self.bus.publish(
                 self.subjects.worker_cancel(job.msg.decode_worker_id),

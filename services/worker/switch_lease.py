@@ -13,15 +13,13 @@ does not answer in time makes the worker refuse the switch (retry later).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import structlog
 
+from shared.bus import Bus
 from shared.bus.errors import BusNoRespondersError
-from shared.messages import Role, SwitchLeaseReply, SwitchLeaseRequest
-
-if TYPE_CHECKING:
-    from services.worker.runtime import WorkerRuntime
+from shared.messages import Role, Subjects, SwitchLeaseReply, SwitchLeaseRequest, WorkerRecord
 
 log = structlog.get_logger(__name__)
 
@@ -31,29 +29,39 @@ _LEASE_TIMEOUT_S = 2.0
 class SwitchLease:
     """At most one lease held at a time (the switcher runs one switch at a time)."""
 
-    def __init__(self, rt: WorkerRuntime) -> None:
-        self.rt = rt
+    def __init__(
+        self,
+        worker_id: str,
+        bus: Bus,
+        subjects: Subjects,
+        active_peers: Callable[[Role], Sequence[WorkerRecord]],
+    ) -> None:
+        """``active_peers(role)``: the other Active workers of ``role`` (the fallback
+        without a controller)."""
+        self.worker_id = worker_id
+        self._bus = bus
+        self._subjects = subjects
+        self._active_peers = active_peers
         self.held = False
 
     def _request(self, from_role: Role, to_role: Role, release: bool) -> SwitchLeaseRequest:
         return SwitchLeaseRequest(
-            worker_id=self.rt.cfg.worker_id, from_role=from_role, to_role=to_role, release=release
+            worker_id=self.worker_id, from_role=from_role, to_role=to_role, release=release
         )
 
     async def acquire(self, from_role: Role, to_role: Role) -> str | None:
         """None when this worker may leave ``from_role`` (lease held, or no controller and
         the local view allows it); otherwise why not. Never raises."""
-        rt = self.rt
         try:
-            reply = await rt.bus.request(
-                rt.subjects.controller_switch_lease(),
+            reply = await self._bus.request(
+                self._subjects.controller_switch_lease(),
                 self._request(from_role, to_role, False),
                 SwitchLeaseReply,
                 _LEASE_TIMEOUT_S,
             )
         except BusNoRespondersError:
-            log.warning("switch_without_controller", worker_id=rt.cfg.worker_id)
-            if not rt.active_peers(from_role):
+            log.warning("switch_without_controller", worker_id=self.worker_id)
+            if not self._active_peers(from_role):
                 return f"switch would leave no active {from_role} worker"
             return None
         except Exception as exc:
@@ -69,15 +77,14 @@ class SwitchLease:
         if not self.held:
             return
         self.held = False
-        rt = self.rt
         try:
-            await rt.bus.request(
-                rt.subjects.controller_switch_lease(),
+            await self._bus.request(
+                self._subjects.controller_switch_lease(),
                 self._request(role_now, role_now, True),
                 SwitchLeaseReply,
                 _LEASE_TIMEOUT_S,
             )
         except Exception as exc:
             log.warning(
-                "switch_lease_release_failed", worker_id=rt.cfg.worker_id, error=type(exc).__name__
+                "switch_lease_release_failed", worker_id=self.worker_id, error=type(exc).__name__
             )

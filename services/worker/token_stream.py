@@ -2,15 +2,29 @@
 
 The scheduler ``add``s items while it commits an iteration, then ``flush``es once; the bus
 message rate is then (iterations × routers), independent of the number of streams.
+``TokenFlusher`` publishes them.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 from collections.abc import Iterable
 
+import structlog
+
+from shared.aio import resolve
+from shared.bus import Bus
 from shared.engine.logprobs import Logprob
-from shared.messages import StreamSequencer, TokenItem, TokenLogprob, pack_token_batches
+from shared.messages import (
+    StreamSequencer,
+    Subjects,
+    TokenItem,
+    TokenLogprob,
+    pack_token_batches,
+)
+
+log = structlog.get_logger(__name__)
 
 
 def wire_logprobs(lps: Iterable[Logprob | None]) -> tuple[TokenLogprob, ...]:
@@ -43,3 +57,44 @@ class TokenStreamer:
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._pending.values())
+
+
+class TokenFlusher:
+    """Publishes what the streamer collected, from one task (``run``) so batches leave in
+    order. ``request_flush`` asks for a flush; ``flush_now`` also waits for it."""
+
+    def __init__(self, streamer: TokenStreamer, bus: Bus, subjects: Subjects, worker_id: str):
+        self._streamer = streamer
+        self._bus = bus
+        self._subjects = subjects
+        self.worker_id = worker_id
+        self._event = asyncio.Event()
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def request_flush(self) -> None:
+        self._event.set()
+
+    async def flush_now(self) -> None:
+        """Return once everything pending has been handed to the bus client (whose own
+        flusher, woken first, writes it before the caller runs again). A first token
+        waits for this before the KV export's CPU work starts on this loop."""
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        self._event.set()
+        await fut
+
+    async def run(self) -> None:
+        """The flush loop. Runs until cancelled."""
+        while True:
+            await self._event.wait()
+            self._event.clear()
+            waiters, self._waiters = self._waiters, []
+            for subject, batch in self._streamer.take():
+                try:
+                    # Under our own id: NATS lets this worker publish nowhere else.
+                    own = self._subjects.tokens_from(subject, self.worker_id)
+                    await self._bus.publish(own, batch)  # type: ignore[arg-type]
+                except Exception:
+                    log.exception("token_publish_failed", subject=subject)
+            for fut in waiters:
+                resolve(fut, None)
