@@ -105,7 +105,14 @@ class GenerationHandler:
         chunk: bool,
         first: bool = False,
     ) -> dict[str, Any]:
-        logprobs = choice.take_logprobs()
+        """One choice object. Takes the choice's pending logprobs, except for the ``first``
+        (role) chunk of a chat stream, which carries no token: with the header hold its
+        first token is already in when the role chunk goes out, and its logprobs belong to
+        the chunk with its text."""
+        if first:
+            logprobs = None if choice.logprobs is None else {"content": []}
+        else:
+            logprobs = choice.take_logprobs()
         i = choice.index
         if req.kind == "completion":
             return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
