@@ -109,6 +109,7 @@ class GenerationHandler:
         (role) chunk of a chat stream, which carries no token: with the header hold its
         first token is already in when the role chunk goes out, and its logprobs belong to
         the chunk with its text."""
+        logprobs: dict[str, Any] | None
         if first:
             logprobs = None if choice.logprobs is None else {"content": []}
         else:
