@@ -200,10 +200,19 @@ async def test_chat_logprobs_stream_and_not(
             assert tops == sorted(tops, reverse=True) and abs(tops[0] - c.logprob) < TOL
             assert c.top_logprobs[0].token == c.token and c.bytes == list(c.token.encode())
         stream = await client.chat.completions.create(**common, stream=True)
+        chunks = [chunk async for chunk in stream if chunk.choices]
+        # The role chunk carries no token, so no logprob; each token's logprob comes with
+        # the chunk that carries its text (the router holds the headers until the first
+        # token, so the role chunk goes out after that token arrived).
+        assert chunks[0].choices[0].delta.role == "assistant", path
+        assert not chunks[0].choices[0].delta.content, path
+        assert not (chunks[0].choices[0].logprobs and chunks[0].choices[0].logprobs.content)
+        first_text = next(c.choices[0] for c in chunks[1:] if c.choices[0].delta.content)
+        assert first_text.logprobs and first_text.logprobs.content, path
         streamed = [
             c.logprob
-            async for chunk in stream
-            if chunk.choices and chunk.choices[0].logprobs
+            for chunk in chunks
+            if chunk.choices[0].logprobs
             for c in chunk.choices[0].logprobs.content or []
         ]
         assert [abs(s - r) < TOL for s, r in zip(streamed, refs, strict=True)] == [True] * 5, path

@@ -583,6 +583,7 @@ async def test_health_metrics_and_disconnect_cancels(cluster) -> None:  # type: 
         body = {"model": MODEL, "prompt": "hi", "stream": True}
         # A stream's headers wait for its first token, which never comes: the client goes
         # away while they are held and the request is on the worker (closing its connection).
+        fake.got_request.clear()  # set by earlier tests: wait for this request's arrival
         post = asyncio.ensure_future(s.post(router.url + "/v1/completions", json=body))
         await asyncio.wait_for(fake.got_request.wait(), 10)
         assert not post.done()  # no headers yet
@@ -590,10 +591,9 @@ async def test_health_metrics_and_disconnect_cancels(cluster) -> None:  # type: 
         with contextlib.suppress(asyncio.CancelledError):
             await post
     rid = fake.received[-1].request_id
-    for _ in range(50):
-        if rid in fake.cancels:
-            break
-        await asyncio.sleep(0.05)
+    deadline = time.monotonic() + 10.0
+    while rid not in fake.cancels and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)  # polling: the fake worker has no event for cancels
     assert rid in fake.cancels
     async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as r:
         text = await r.text()

@@ -23,6 +23,7 @@ from aiohttp import web
 
 from services.router.admission import AdmissionGate
 from services.router.choice import Choice, TextAssembler
+from services.router.disconnect import wait_watching
 from services.router.dispatch import Dispatcher, InFlight
 from services.router.errors import end_to_error, error_body, error_type_for
 from services.router.metrics import RouterMetrics
@@ -105,7 +106,15 @@ class GenerationHandler:
         chunk: bool,
         first: bool = False,
     ) -> dict[str, Any]:
-        logprobs = choice.take_logprobs()
+        """One choice object. Takes the choice's pending logprobs, except for the ``first``
+        (role) chunk of a chat stream, which carries no token: with the header hold its
+        first token is already in when the role chunk goes out, and its logprobs belong to
+        the chunk with its text."""
+        logprobs: dict[str, Any] | None
+        if first:
+            logprobs = None if choice.logprobs is None else {"content": []}
+        else:
+            logprobs = choice.take_logprobs()
         i = choice.index
         if req.kind == "completion":
             return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
@@ -171,7 +180,7 @@ class GenerationHandler:
                 self.metrics.vllm.submitted()
             if req.stream:
                 return await self._stream(request, req, choices)
-            return await self._whole(req, choices)
+            return await self._whole(request, req, choices)
         finally:
             for choice in choices:
                 self._end(choice)
@@ -222,8 +231,11 @@ class GenerationHandler:
             if end is not None:
                 return "".join(parts), end
 
-    async def _whole(self, req: GenerationRequest, choices: list[Choice]) -> web.Response:
-        results = await asyncio.gather(*(self._gather(c) for c in choices))
+    async def _whole(
+        self, request: web.Request, req: GenerationRequest, choices: list[Choice]
+    ) -> web.Response:
+        # Nothing is written until the end: watch the connection as a stream's hold does.
+        results = await wait_watching(request, asyncio.gather(*(self._gather(c) for c in choices)))
         for _, end in results:
             if end.failed:
                 raise end_to_error(end)
@@ -247,19 +259,21 @@ class GenerationHandler:
             body["fluidpd"] = self._extension(entry, choices[0].text)
         return web.json_response(body)
 
-    async def _hold(self, steps: asyncio.Queue[Step], choices: list[Choice]) -> Step | None:
+    async def _hold(
+        self, request: web.Request, steps: asyncio.Queue[Step], choices: list[Choice]
+    ) -> Step | None:
         """Wait for the first step of any choice (a token or an end), at most
         ``stream_header_hold_s`` after the request's arrival; None when the hold ran out
         first. Raises ApiError (a 503 + Retry-After for deadline expiry or lost capacity)
         when the request ended before anything was produced for it. A client that leaves
         meanwhile cancels the handler (aiohttp ``handler_cancellation`` fires before the
-        response starts, too), and ``run`` then cancels the request on its workers, as on
-        any disconnect."""
+        response starts, too) or, should that cancellation have been lost, is seen on its
+        connection (raises ClientGone; services/router/disconnect.py); ``run`` then cancels
+        the request on its workers, as on any disconnect."""
         # Counted from the request's arrival: submit retries already kept the client waiting.
-        hold_s = choices[0].entry.arrival_s + self.stream_header_hold_s - time.time()
+        until_s = choices[0].entry.arrival_s + self.stream_header_hold_s
         try:
-            async with asyncio.timeout(max(0.0, hold_s)):
-                head = await steps.get()
+            head = await wait_watching(request, steps.get(), until_s=until_s)
         except TimeoutError:
             # vLLM and SGLang send headers at once; past the hold a client's read timeout
             # matters more than a status, so a very late failure stays in-band.
@@ -298,7 +312,7 @@ class GenerationHandler:
         try:
             pending: list[Step] = []
             if self.stream_header_hold_s > 0:
-                head = await self._hold(steps, choices)
+                head = await self._hold(request, steps, choices)
                 pending = [head] if head is not None else []
             response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
