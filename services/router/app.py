@@ -52,6 +52,11 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 # so a big prompt does not hold the event loop (every other stream's tokens) while it is
 # parsed; a smaller one is parsed inline, where the thread hop would cost more than it.
 PARSE_OFF_LOOP_BYTES = 64 * 1024
+# Pending-connection queue of the listening socket (aiohttp's default is 128). Under a burst
+# on a busy host the loop accepts late and a 128-deep queue overflows into refused/reset
+# connections that never reach admission (an overloaded router must answer 503, not drop
+# SYNs). 2048 is uvicorn's default; the kernel caps it at net.core.somaxconn.
+LISTEN_BACKLOG = 2048
 
 
 def decode_json(raw: bytes) -> Any:
@@ -169,7 +174,7 @@ class Router(Service):
         # stream's headers are held (generate.py), so its request is cancelled on the workers.
         self._runner = web.AppRunner(self.build_app(), handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, cfg.host, cfg.port)
+        site = web.TCPSite(self._runner, cfg.host, cfg.port, backlog=LISTEN_BACKLOG)
         await site.start()
         server = getattr(site, "_server", None)
         sockets = getattr(server, "sockets", None) or []
