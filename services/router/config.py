@@ -7,7 +7,7 @@ import re
 import socket
 from dataclasses import dataclass, field
 
-from shared.policy.admission import DEFAULT_TTFT_MULTIPLE
+from shared.policy.admission import DEFAULT_DECODE_BACKLOG_BATCHES, DEFAULT_TTFT_MULTIPLE
 
 PAIRING_POLICIES = ("pressure", "round_robin")
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -53,7 +53,7 @@ class RouterConfig:
     shed_ttft_multiple: float = DEFAULT_TTFT_MULTIPLE
     # ... and when every decode worker has this many batches (× max_num_seqs) of requests
     # waiting for decode admission; 0 turns it off.
-    shed_decode_backlog: float = 1.0
+    shed_decode_backlog: float = DEFAULT_DECODE_BACKLOG_BATCHES
     log_json: bool = False
 
     def __post_init__(self) -> None:
