@@ -25,7 +25,7 @@ from services.worker.decode_waiting import WaitingAdmissions, WaitingTotals
 from services.worker.main import main as worker_main
 from shared.engine.profiles import load_profile
 from shared.messages import Role, WorkerRecord, WorkerTelemetry
-from shared.policy.admission import SheddingConfig
+from shared.policy.admission import DEFAULT_EXPIRE_MARGIN_S, SheddingConfig
 
 PROFILE = load_profile("")  # T_pre(L) = 93.5 us * L + 15 ms
 
@@ -254,7 +254,9 @@ def test_router_and_worker_flags_validate_and_bad_values_exit_2(
 
     monkeypatch.setenv("FLUIDPD_CLUSTER_SECRET", "test-secret")  # workers refuse to start without
     cfg = WorkerConfig(worker_id="p0", role="prefill", cluster_secret="s")
-    assert (cfg.decode_wait_timeout_s, cfg.expire_margin) == (60.0, 10.0)
+    # The expiry margin is the one default of shared/policy/admission.py (the simulator's).
+    assert (cfg.decode_wait_timeout_s, cfg.expire_margin) == (60.0, DEFAULT_EXPIRE_MARGIN_S)
+    assert SheddingConfig().expire_margin_s == DEFAULT_EXPIRE_MARGIN_S == 5.0
     assert (
         WorkerConfig(
             worker_id="p0", role="prefill", cluster_secret="s", expire_margin_s=-1

@@ -81,7 +81,10 @@ def test_moving_back_waits_the_full_cooldown() -> None:
     policy = RolePolicy(CFG)
     assert policy.decide(cluster(ppi=1.1, load=0.1, adm=0.1), 0.0).action == D2P
     decode_hot = cluster(ppi=0.1, load=0.3, adm=0.6)
-    for t in (1.0, 10.0, 19.5):
+    # DPI̅_adm is the median of the last window_s (5 s) of decisions: at t = 1 the window
+    # still holds t = 0's 0.1, so the move back is not even recommended yet.
+    assert policy.decide(decode_hot, 1.0).recommendation == NONE
+    for t in (2.0, 10.0, 19.5):
         d = policy.decide(decode_hot, t)
         assert (d.action, d.reason, d.recommendation) == (NONE, "cooldown", P2D)
     assert policy.decide(decode_hot, 20.0).action == P2D

@@ -4,6 +4,7 @@ the simulator reserves KV by the worker's formula."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from services.sim import SimConfig, Simulation, config_for
@@ -52,8 +53,28 @@ def test_queued_work_past_deadline_plus_margin_is_dropped() -> None:
         assert (w.held_blocks, w.reserved_blocks, w.requests) == (0, 0, 0) and not w.queue
 
 
+def test_router_sheds_while_every_decode_worker_has_a_batch_waiting() -> None:
+    # 3P1D, a decode batch of 2: long decodes fill it, the 3 prefill heads then wait for
+    # its admission (3 >= 1 batch of 2), and the router's decode-backlog rule sheds.
+    trace = [TraceRequest(i * 0.05, 200, 3000, "x") for i in range(40)]
+    base = SimConfig(workers=4, prefill_workers=3, max_num_seqs=2)
+    only_backlog = SheddingConfig(ttft_multiple=0.0, expire_margin_s=None)
+    assert only_backlog.decode_backlog_batches == 1.0  # the live router's default
+    sim = Simulation(
+        trace, config_for("static", dataclasses.replace(base, shedding=only_backlog)), PROFILE
+    )
+    s = sim.run().summary(TTFT_S, TPOT_S)
+    assert s["rejected"] > 0
+    assert all(r.t_first < 0 for r in sim.reqs if r.rejected)  # nothing computed for those
+    off = dataclasses.replace(only_backlog, decode_backlog_batches=0.0)
+    s_off = Simulation(
+        trace, config_for("static", dataclasses.replace(base, shedding=off)), PROFILE
+    ).run()
+    assert s_off.summary(TTFT_S, TPOT_S)["rejected"] == 0
+
+
 def test_shedding_off_serves_everything() -> None:
-    off = SheddingConfig(ttft_multiple=0.0, expire_margin_s=None)
+    off = SheddingConfig(ttft_multiple=0.0, expire_margin_s=None, decode_backlog_batches=0.0)
     res = Simulation(
         flood(), config_for("static", SimConfig(workers=2, shedding=off)), PROFILE
     ).run()

@@ -38,6 +38,11 @@ from services.bench.loadgen import PlannedRequest
 from services.bench.replay_run import RunSpec, run_once
 from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, window_of, workload_from_args
 from shared.engine.profiles import load_profile
+from shared.policy.admission import (
+    DEFAULT_DECODE_BACKLOG_BATCHES,
+    DEFAULT_EXPIRE_MARGIN_S,
+    DEFAULT_TTFT_MULTIPLE,
+)
 from shared.policy.config import ADAPTIVE, PAPER, RULE_SETS, PolicyConfig
 from shared.policy.predictors import LatencyProfile
 
@@ -90,19 +95,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument(
         "--shed-ttft-multiple",
         type=float,
-        default=2.0,
+        default=DEFAULT_TTFT_MULTIPLE,
         help="routers shed above this multiple of the TTFT SLO (0: off)",
     )
     ap.add_argument(
         "--shed-decode-backlog",
         type=float,
-        default=1.0,
+        default=DEFAULT_DECODE_BACKLOG_BATCHES,
         help="routers shed when every decode worker has this many batches waiting (0: off)",
     )
     ap.add_argument(
         "--expire-margin-s",
         type=float,
-        default=10.0,
+        default=DEFAULT_EXPIRE_MARGIN_S,
         help="prefill workers drop queued work this long past its deadline (trace s; <0: off)",
     )
     ap.add_argument(

@@ -79,6 +79,13 @@ def add_cluster_args(ap: argparse.ArgumentParser) -> None:
         help="prefill drops queued requests this long past their TTFT deadline (the live "
         "default); negative = never",
     )
+    ap.add_argument(
+        "--shed-decode-backlog",
+        type=float,
+        default=SheddingConfig().decode_backlog_batches,
+        help="router sheds while every decode worker has this many batches (x max_num_seqs) "
+        "of requests waiting for admission (the live default); 0 = never",
+    )
 
 
 def base_config(args: argparse.Namespace) -> SimConfig:
@@ -98,6 +105,7 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         shedding=SheddingConfig(
             ttft_multiple=args.shed_ttft_multiple,
             expire_margin_s=None if margin is None or margin < 0 else margin,
+            decode_backlog_batches=args.shed_decode_backlog,
         ),
     )
 

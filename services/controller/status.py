@@ -114,6 +114,12 @@ class WorkerBook:
                     kv_active_tokens=used_blocks * rec.kv_block_size,
                     running_prefill_tokens=int(tel.metrics.get("running_prefill_tokens", 0.0)),
                     queue_len=tel.queue_len,
+                    # FluidRole's decode backlog (fluidrole.decode_demand): requests this
+                    # decode worker refused for capacity and its batch limit.
+                    decode_waiting=int(tel.metrics.get("decode_waiting", 0.0))
+                    if role == "decode"
+                    else 0,
+                    max_decode_requests=rec.max_num_seqs if role == "decode" else 0,
                 )
             )
         return ClusterSnapshot(tuple(views))

@@ -16,7 +16,7 @@ from services.common.logging import configure_logging
 from services.common.service import announce_ready
 from services.router.config import PAIRING_POLICIES, RouterConfig, default_router_id
 from shared.aio import run
-from shared.policy.admission import DEFAULT_TTFT_MULTIPLE
+from shared.policy.admission import DEFAULT_DECODE_BACKLOG_BATCHES, DEFAULT_TTFT_MULTIPLE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--shed-decode-backlog",
         type=float,
-        default=float(env("FLUIDPD_SHED_DECODE_BACKLOG", "1")),
+        default=float(env("FLUIDPD_SHED_DECODE_BACKLOG", str(DEFAULT_DECODE_BACKLOG_BATCHES))),
         help="503 + Retry-After when every decode worker has this many batches "
         "(x its max-num-seqs) of requests waiting for admission (0: never)",
     )

@@ -9,13 +9,13 @@ import socket
 from dataclasses import dataclass, field
 
 from shared.bus.config import BusConfig
-from shared.policy.admission import DEFAULT_TTFT_MULTIPLE
+from shared.policy.admission import DEFAULT_DECODE_BACKLOG_BATCHES, DEFAULT_TTFT_MULTIPLE
 
 PAIRING_POLICIES = ("pressure", "round_robin")
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
 # The automatic stream-header hold: the TTFT SLO plus this. It covers the prefill worker's
-# default --expire-margin-s (10 s) and a few seconds for the drop to be noticed (a worker
-# checks expiry when it takes its next prompt) and to travel back.
+# default --expire-margin-s (DEFAULT_EXPIRE_MARGIN_S, 5 s) and ~10 s more for the drop to be
+# noticed (a worker checks expiry when it takes its next prompt) and to travel back.
 STREAM_HOLD_AUTO_MARGIN_S = 15.0
 
 
@@ -57,7 +57,7 @@ class RouterConfig:
     shed_ttft_multiple: float = DEFAULT_TTFT_MULTIPLE
     # ... and when every decode worker has this many batches (× max_num_seqs) of requests
     # waiting for decode admission; 0 turns it off.
-    shed_decode_backlog: float = 1.0
+    shed_decode_backlog: float = DEFAULT_DECODE_BACKLOG_BATCHES
     stream_header_hold_s: float | None = None
     log_json: bool = False
 

@@ -6,7 +6,9 @@ What is modelled, mirroring the real services (file names are the ones mirrored)
 * router/pairing.py — each arrival gets a (prefill, decode) pair among Active workers; with
   shedding on (cfg.shedding, shared/policy/admission.py) a request whose predicted TTFT on
   its prefill worker (queued T_pre + the running prefill's T_pre + its own) exceeds the
-  multiple of S_TTFT is rejected at the door (``rejected``, not attained).
+  multiple of S_TTFT is rejected at the door (``rejected``, not attained), and so is every
+  request while each Active decode worker has ``decode_backlog_batches`` × ``max_num_seqs``
+  requests waiting for its admission (the live router's decode-backlog shedding).
 * worker/prefill_role.py — FIFO queue, one request per prefill iteration; a request whose
   TTFT deadline passed by more than the expiry margin is dropped when it reaches the head
   (``expired``). At the head:
@@ -31,9 +33,13 @@ What is modelled, mirroring the real services (file names are the ones mirrored)
   allocates it on demand; with ~400k KV tokens and <= 64 sequences the pool is not the
   binding limit), while C_active counts every token.
 
-Deviation (documented, deliberate): a queued request whose paired decode worker has left
+Deviations (documented, deliberate): a queued request whose paired decode worker has left
 the Active decode role (D→P drain) is re-paired to another decode worker when it reaches
 the head; the real prefill worker keeps retrying the original worker until it gives up.
+Decode admission is asked before the prefill, so a request the decode side refuses blocks
+its prefill worker's queue head; the real prefill worker computes it, keeps its KV while it
+waits and goes on with the next prompt. So here at most one request per prefill worker waits
+for decode admission (what DPI_adm and the router's decode-backlog shedding count).
 """
 
 from __future__ import annotations
@@ -63,7 +69,13 @@ from services.sim.events import (
 from services.sim.results import SimResult
 from services.sim.router import SimRouter
 from services.sim.workers import SimRequest, SimWorker, initial_workers
-from shared.policy.admission import is_expired, predicted_ttft_s, queue_work_s, should_shed
+from shared.policy.admission import (
+    is_expired,
+    predicted_ttft_s,
+    queue_work_s,
+    sheds_for_decode_backlog,
+    should_shed,
+)
 from shared.policy.fluidtoken import StealBudget, select_steal_ratios
 from shared.policy.predictors import LatencyProfile
 from shared.policy.pressure import (
@@ -192,6 +204,10 @@ class Simulation(ControlPlane):
         if r.prompt + 1 > self._max_ctx:  # engine.check_prompt: rejected at once
             self.fail(r)
             return
+        if sheds_for_decode_backlog(self._decode_backlog(), self.shed):
+            r.rejected = True
+            self.fail(r)
+            return
         p = self.router.pick(PREFILL, req=r)
         if self.shed.sheds and self._hopeless(p, r):
             r.rejected = True
@@ -202,6 +218,25 @@ class Simulation(ControlPlane):
         p.queue.append(r)
         if p.current is None:
             self.prefill_next(p)
+
+    def _decode_backlog(self) -> float | None:
+        """The live router's decode backlog now (``AdmissionGate.decode_backlog``): the
+        smallest count of requests waiting for admission (prefill heads retrying it) over
+        the Active decode workers, in batches of ``max_num_seqs``. None when shedding on it
+        is off (saves the count). With one waiting head per prefill worker at most, it
+        reaches 1 batch (64) only on very large clusters: the real prefill worker computes
+        on while its computed prompts wait, so it can hold many (module doc: deviation)."""
+        if self.shed.decode_backlog_batches <= 0:
+            return None
+        waiting = [0] * len(self.workers)
+        for w in self.workers:
+            r = w.current
+            if r is not None and not r.blocks and r.dw >= 0:
+                waiting[r.dw] += 1
+        seqs = max(1, self.cfg.max_num_seqs)
+        return min(
+            (waiting[w.index] / seqs for w in self.workers if w.is_active(DECODE)), default=None
+        )
 
     def _hopeless(self, p: SimWorker, r: SimRequest) -> bool:
         """The router's door check: predicted TTFT on ``p`` over the shedding threshold."""

@@ -46,6 +46,7 @@ from shared.policy.pressure import (
     DecodeLoad,
     DecodePressure,
     QueuedRequest,
+    admission_kv_tokens,
     decode_load_from_pool,
     decode_pressure,
     dpi_adm,
@@ -104,7 +105,8 @@ class ControlPlane:
 
     # -------------------------------------------------------------- telemetry
     def decode_load(self, d: SimWorker) -> DecodeLoad:
-        """The worker's DecodeLoad, by the live worker's formula (decode_load_from_pool)."""
+        """The worker's DecodeLoad, by the live worker's formula (decode_load_from_pool),
+        with the requests waiting for its admission as of the last telemetry tick."""
         bs = self.cfg.block_size
         return decode_load_from_pool(
             d.num_blocks * bs,
@@ -113,7 +115,26 @@ class ControlPlane:
             d.running,
             d.requests,
             self.cfg.max_num_seqs,
+            waiting_kv_tokens=d.waiting_kv_tel,
+            waiting_requests=d.waiting_tel,
         )
+
+    def count_waiting(self) -> None:
+        """Per decode worker, the requests refused for capacity that a prefill worker keeps
+        retrying (a prefill head not admitted yet) and the KV they would reserve: the live
+        decode worker's ``decode_waiting`` (WaitingAdmissions). Mutates ``waiting_*_tel``."""
+        for w in self.workers:
+            w.waiting_tel = w.waiting_kv_tel = 0
+        cfg = self.cfg
+        for w in self.workers:
+            r = w.current
+            if r is None or r.blocks or r.dw < 0:
+                continue
+            d = self.workers[r.dw]
+            d.waiting_tel += 1
+            d.waiting_kv_tel += admission_kv_tokens(
+                r.prompt, r.output, cfg.decode_reserve_tokens, self.profile.max_context_tokens
+            )
 
     def decode_signals(self, d: SimWorker, n_peers: int) -> DecodePressure:
         return decode_pressure(
@@ -140,6 +161,7 @@ class ControlPlane:
         cfg = self.cfg
         window = cfg.policy_queue_window
         n_peers = sum(1 for w in self.workers if w.role == PREFILL)
+        self.count_waiting()
         for w in self.workers:
             w.sent_since = 0
             w.queue_len_tel = w.queue_len()
@@ -204,6 +226,8 @@ class ControlPlane:
                     kv_active_tokens=(w.num_blocks - w.free_blocks_tel) * bs,
                     running_prefill_tokens=w.current.prompt if w.current is not None else 0,
                     queue_len=w.queue_len_tel,
+                    decode_waiting=w.waiting_tel if w.role == DECODE else 0,
+                    max_decode_requests=self.cfg.max_num_seqs if w.role == DECODE else 0,
                 )
             )
         decision = self.role_policy.decide(ClusterSnapshot(tuple(views)), now)

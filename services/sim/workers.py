@@ -132,6 +132,10 @@ class SimWorker:
         self.queue_len_tel = 0
         self.free_blocks_tel = num_blocks
         self.running_tel = 0
+        # Requests refused for capacity and retried by their prefill workers (the live
+        # decode worker's WaitingAdmissions): counted at each telemetry tick.
+        self.waiting_tel = 0
+        self.waiting_kv_tel = 0
         self.sent_since = 0  # router: requests sent since the last telemetry
 
     # ----------------------------------------------------------------- views

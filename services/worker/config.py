@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from shared.bus.config import BusConfig
 from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
+from shared.policy.admission import DEFAULT_EXPIRE_MARGIN_S
 from shared.policy.roles import ROLES, Role
 
 ENGINES = ("torch", "emulated")
@@ -58,8 +59,9 @@ class WorkerConfig:
     # An accepted request waits this long for decode capacity (its KV held on the prefill
     # worker) before it ends with a clear decode_wait_timeout error.
     decode_wait_timeout_s: float = 60.0
-    # A queued prefill is dropped once its TTFT deadline passed by this much (< 0: never).
-    expire_margin_s: float = 10.0
+    # A queued prefill is dropped once its TTFT deadline passed by this much (< 0: never);
+    # the one default shared with the router bench and the simulator (policy/admission.py).
+    expire_margin_s: float = DEFAULT_EXPIRE_MARGIN_S
     request_timeout_s: float = 600.0
     ttft_slo_ms: float = 2000.0
     tpot_slo_ms: float = 100.0

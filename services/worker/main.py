@@ -16,6 +16,7 @@ from services.worker.config import WorkerConfig, default_worker_id
 from shared.aio import run
 from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
 from shared.errors import FluidPDError
+from shared.policy.admission import DEFAULT_EXPIRE_MARGIN_S
 from shared.policy.roles import PREFILL, Role
 
 
@@ -91,7 +92,7 @@ def build_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--expire-margin-s",
         type=float,
-        default=float(env("FLUIDPD_EXPIRE_MARGIN_S", "10")),
+        default=float(env("FLUIDPD_EXPIRE_MARGIN_S", str(DEFAULT_EXPIRE_MARGIN_S))),
         help="drop queued prefills whose TTFT deadline passed by this much (< 0: never)",
     )
     p.add_argument(

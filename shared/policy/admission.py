@@ -18,16 +18,28 @@ from shared.policy.predictors import LatencyProfile
 
 # The one default, read by the router's config and flag too.
 DEFAULT_TTFT_MULTIPLE = 2.0
+# Queued prefill work is dropped this long past its TTFT deadline: the one default of the
+# prefill worker's --expire-margin-s, the replay bench and the simulator. 5 s: such a request
+# has missed its SLO by 3.5x S_TTFT (2 s) already, and computing it delays every request
+# queued behind it; the robustness sweep (docs/results.md) is measured at this value.
+DEFAULT_EXPIRE_MARGIN_S = 5.0
+# The router sheds when every Active decode worker already has this many batches
+# (x its max_num_seqs) of requests waiting for decode admission: the one default of the
+# router's --shed-decode-backlog, the replay bench and the simulator.
+DEFAULT_DECODE_BACKLOG_BATCHES = 1.0
 
 
 @dataclass(frozen=True, slots=True)
 class SheddingConfig:
     """``ttft_multiple``: shed when predicted TTFT > multiple × S_TTFT (0 = never shed at the
     door). ``expire_margin_s``: a queued prefill is dropped once its TTFT deadline has passed
-    by this much (None = never drop)."""
+    by this much (None = never drop). ``decode_backlog_batches``: shed when every Active
+    decode worker has this many batches of requests waiting for admission (0 = never;
+    ``sheds_for_decode_backlog``)."""
 
     ttft_multiple: float = DEFAULT_TTFT_MULTIPLE
-    expire_margin_s: float | None = 5.0
+    expire_margin_s: float | None = DEFAULT_EXPIRE_MARGIN_S
+    decode_backlog_batches: float = DEFAULT_DECODE_BACKLOG_BATCHES
 
     def __post_init__(self) -> None:
         if not (self.ttft_multiple == 0.0 or self.ttft_multiple >= 1.0) or math.isnan(
@@ -36,6 +48,8 @@ class SheddingConfig:
             raise PolicyConfigError("SheddingConfig: ttft_multiple must be 0 (off) or >= 1")
         if self.expire_margin_s is not None and not self.expire_margin_s >= 0.0:
             raise PolicyConfigError("SheddingConfig: expire_margin_s must be >= 0 or None")
+        if not self.decode_backlog_batches >= 0.0 or math.isinf(self.decode_backlog_batches):
+            raise PolicyConfigError("SheddingConfig: decode_backlog_batches must be >= 0 (0: off)")
 
     @property
     def sheds(self) -> bool:
@@ -73,6 +87,18 @@ def retry_after_s(predicted_s: float, ttft_slo_s: float, cfg: SheddingConfig) ->
     shedding threshold: the value of an HTTP ``Retry-After`` header."""
     excess_s = predicted_s - cfg.ttft_multiple * ttft_slo_s
     return max(1, math.ceil(excess_s))
+
+
+def sheds_for_decode_backlog(backlog_batches: float | None, cfg: SheddingConfig) -> bool:
+    """True when a newcomer should be rejected because the smallest decode backlog over the
+    Active decode workers (requests waiting for admission / max_num_seqs; None = unknown)
+    reached ``cfg.decode_backlog_batches``: it would wait at least that many batch
+    turnovers for a decode slot."""
+    return (
+        cfg.decode_backlog_batches > 0
+        and backlog_batches is not None
+        and backlog_batches >= cfg.decode_backlog_batches
+    )
 
 
 def is_expired(deadline_s: float, now_s: float, cfg: SheddingConfig) -> bool:

@@ -58,7 +58,21 @@ class PolicyConfig:
     # time its effect needs to show in the signals: the PPI p95 window, eq. 20, plus a
     # margin). A decision moves up to max_move_workers workers at once (sizing module).
     settle_s: float = 6.0
-    max_move_workers: int = 2
+    max_move_workers: int = 3
+    # ADAPTIVE only (shared/policy/fluidrole_sizing.py). A D->P move must leave the decode
+    # side's predicted DPI_load below DPI_load^high minus this margin, and the decode backlog
+    # (running + waiting for admission) within decode_fill_target of the remaining decode
+    # slots; a P->D move adds at least the workers that backlog needs.
+    d2p_load_margin: float = 0.1
+    decode_fill_target: float = 0.5
+    # ADAPTIVE only: FluidRole reads DPI̅_adm as this percentile of its samples over window_s
+    # (one per decision; 50 = the median, which ignores one-interval spikes — DPI_adm jumps
+    # to 1 whenever the batch slots are full); 0 = the instantaneous value. The D->P guard
+    # reads the larger of the two (no decode worker leaves a pool that was just full).
+    adm_smoothing_q: float = 50.0
+    # ADAPTIVE only: decision intervals "decode admission blocks prefill" must hold. The
+    # smoothed DPI̅_adm already needs half the window saturated, so 1 adds no extra delay.
+    n_persist_blocked: int = 1
     window_s: float = 5.0  # observation window of the PPI p95 (eq. 20)
     decision_interval_s: float = 1.0  # how often the controller calls RolePolicy.decide
 
@@ -107,6 +121,14 @@ class PolicyConfig:
             raise PolicyConfigError("policy config: max_move_workers must be an int >= 1")
         if not isinstance(self.n_persist, int) or self.n_persist < 1:
             raise PolicyConfigError("policy config: n_persist must be an int >= 1")
+        if not isinstance(self.n_persist_blocked, int) or self.n_persist_blocked < 1:
+            raise PolicyConfigError("policy config: n_persist_blocked must be an int >= 1")
+        if self.d2p_load_margin < 0:
+            raise PolicyConfigError("policy config: d2p_load_margin must be >= 0")
+        if not 0.0 < self.decode_fill_target <= 1.0:
+            raise PolicyConfigError("policy config: decode_fill_target must be in (0, 1]")
+        if not 0.0 <= self.adm_smoothing_q <= 100.0:
+            raise PolicyConfigError("policy config: adm_smoothing_q must be in [0, 100]")
         if not isinstance(self.budget_context_tokens, int):
             raise PolicyConfigError("policy config: budget_context_tokens must be an int")
 

@@ -22,6 +22,9 @@ Rules, in the order they are checked:
    after the cooldown (signals measured mid-transition do not count).
 4. aggregates over Active workers only: PPI̅ = max_p PPI^95(p) (eq. 20); DPI̅_load, DPI̅_adm =
    means over decode workers (eq. 21). A role with no Active worker contributes 0.
+   ADAPTIVE reads DPI̅_adm smoothed like PPI̅: the ``adm_smoothing_q`` percentile (median)
+   of the per-decision values over ``window_s`` (the instantaneous value jumps to 1 whenever
+   the batch slots are full); its D→P guard reads the larger of smoothed and instantaneous.
 5. recommendation: D→P if PPI̅ > PPI_high ∧ DPI̅_load < DPI_load^high (eq. 22); else P→D if
    DPI̅_adm > DPI_adm^high ∧ PPI̅ < PPI_low (eq. 23). Eq. 22 and 23 exclude each other when
    PPI_low <= PPI_high. If prefill needs capacity (PPI̅ > PPI_high) but eq. 22's decode
@@ -33,7 +36,9 @@ Rules, in the order they are checked:
    pressure recommends P→D (``decode_admission_blocks_prefill``).
 6. the same recommendation must hold for N_persist consecutive intervals.
 7. never empty a role: the source role needs >= 2 Active workers (and keeps >= 1).
-8. PAPER moves one worker, ADAPTIVE ``move_size`` workers; candidates with least expected
+8. PAPER moves one worker, ADAPTIVE ``move_size`` workers (for D→P possibly none:
+   ``decode_headroom`` — the decode side's predicted load after even one move is too high);
+   candidates with least expected
    drain: D→P — fewest active decode requests (the paper's
    proxy), then fewest KV tokens in use; P→D — least running prefill work (tokens), then
    shortest queue. Ties break on worker id, so decisions are deterministic.
@@ -46,7 +51,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shared.policy.config import PAPER, PolicyConfig
-from shared.policy.fluidrole_sizing import adm_guard, move_size
+from shared.policy.fluidrole_sizing import DecodeDemand, adm_guard, move_size
+from shared.policy.window import SlidingWindow
 
 # The vocabulary is roles.py's; these names stay importable from here for the policy's users.
 from shared.policy.roles import ACTIVE, DECODE, PREFILL
@@ -72,6 +78,8 @@ class WorkerView:
     kv_active_tokens: int = 0  # decode: tie-break for D→P
     running_prefill_tokens: int = 0  # prefill: P→D drain (prefill it must finish)
     queue_len: int = 0  # prefill: requests to reassign on P→D
+    decode_waiting: int = 0  # decode: requests refused for capacity, waiting to be admitted
+    max_decode_requests: int = 0  # decode: its batch limit (max_num_seqs; 0 = unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +135,28 @@ def aggregate_pressure(workers: Sequence[WorkerView]) -> tuple[float, float, flo
     return (ppi_bar, load_sum / n_d if n_d else 0.0, adm_sum / n_d if n_d else 0.0, n_p, n_d)
 
 
+def decode_demand(workers: Sequence[WorkerView]) -> DecodeDemand:
+    """The decode backlog — running decodes and requests waiting for decode admission on
+    every decode-role worker (draining ones too: their decodes move to the others) — and
+    the decode workers' batch limit (the largest one reported; 0 when none is)."""
+    requests = slots = 0
+    for w in workers:
+        if w.role == DECODE:
+            requests += w.active_decode_requests + w.decode_waiting
+            slots = max(slots, w.max_decode_requests)
+    return DecodeDemand(requests, slots)
+
+
 def recommend(
-    ppi_bar: float, dpi_load_bar: float, dpi_adm_bar: float, cfg: PolicyConfig
+    ppi_bar: float,
+    dpi_load_bar: float,
+    dpi_adm_bar: float,
+    cfg: PolicyConfig,
+    *,
+    adm_guard_value: float | None = None,
 ) -> tuple[str, str]:
-    """Eq. 22–23 plus the both-pressured rule: (recommendation, reason)."""
+    """Eq. 22–23 plus the both-pressured rule: (recommendation, reason). ADAPTIVE's D→P
+    admission guard compares ``adm_guard_value`` (default: ``dpi_adm_bar``)."""
     if cfg.rules == PAPER:  # the paper, literally
         if ppi_bar > cfg.ppi_high and dpi_load_bar < cfg.dpi_load_high:
             return D2P, "eq22_prefill_pressure"
@@ -141,7 +167,8 @@ def recommend(
         if dpi_adm_bar > cfg.dpi_adm_high:
             return NONE, "prefill_not_idle"
         return NONE, "balanced"
-    if ppi_bar > cfg.ppi_high and dpi_load_bar < cfg.dpi_load_high and dpi_adm_bar < adm_guard(cfg):
+    guard_adm = dpi_adm_bar if adm_guard_value is None else adm_guard_value
+    if ppi_bar > cfg.ppi_high and dpi_load_bar < cfg.dpi_load_high and guard_adm < adm_guard(cfg):
         # Eq. 22, unless the decode pool is short of admission headroom (extension): taking
         # a decode worker away then only deepens the backpressure that built the backlog.
         # The bound sits below dpi_adm_blocking (hysteresis) so P->D and D->P cannot chase
@@ -190,12 +217,25 @@ class RolePolicy:
         self._last_transit_s: float | None = None  # last decide() that saw a switch running
         self._pending = NONE
         self._count = 0
+        self._adm_window = SlidingWindow(cfg.window_s)  # DPI̅_adm per decision (ADAPTIVE)
+
+    def smoothed_adm(self, adm_now: float, now_s: float) -> float:
+        """Record this decision's DPI̅_adm and return the value FluidRole reads (rule 4):
+        the instantaneous one under PAPER or ``adm_smoothing_q`` 0, else that percentile of
+        the window. Mutates the window."""
+        if self.cfg.rules == PAPER or self.cfg.adm_smoothing_q <= 0:
+            return adm_now
+        self._adm_window.add(now_s, adm_now)
+        return self._adm_window.percentile(now_s, self.cfg.adm_smoothing_q) or 0.0
 
     def decide(self, snapshot: ClusterSnapshot, now_s: float) -> Decision:
         cfg = self.cfg
         workers = snapshot.workers
-        ppi_bar, load_bar, adm_bar, n_p, n_d = aggregate_pressure(workers)
-        rec, reason = recommend(ppi_bar, load_bar, adm_bar, cfg)
+        ppi_bar, load_bar, adm_now, n_p, n_d = aggregate_pressure(workers)
+        adm_bar = self.smoothed_adm(adm_now, now_s)
+        rec, reason = recommend(
+            ppi_bar, load_bar, adm_bar, cfg, adm_guard_value=max(adm_bar, adm_now)
+        )
 
         def out(action: str, why: str, movers: Sequence[WorkerView] = ()) -> Decision:
             target = None
@@ -239,16 +279,31 @@ class RolePolicy:
 
         self._count = self._count + 1 if rec == self._pending else 1
         self._pending = rec
-        if self._count < cfg.n_persist:
-            return out(NONE, f"persisting_{self._count}_of_{cfg.n_persist}")
+        blocked = cfg.rules != PAPER and reason == "decode_admission_blocks_prefill"
+        n_persist = cfg.n_persist_blocked if blocked else cfg.n_persist
+        if self._count < n_persist:
+            return out(NONE, f"persisting_{self._count}_of_{n_persist}")
         source_active = n_d if rec == D2P else n_p
         if source_active < 2:
             return out(NONE, "would_empty_role")
         k = 1
         if cfg.rules != PAPER:
-            blocked = reason == "decode_admission_blocks_prefill"
-            k = move_size(rec, ppi_bar, load_bar, adm_bar, n_p, n_d, cfg, decode_blocked=blocked)
-        movers = pick_candidates(workers, rec, max(1, k))
+            demand = decode_demand(workers)
+            k = move_size(
+                rec,
+                ppi_bar,
+                load_bar,
+                max(adm_bar, adm_now) if rec == D2P else adm_bar,
+                n_p,
+                n_d,
+                cfg,
+                decode_blocked=blocked,
+                demand=demand,
+            )
+            if k == 0:  # D→P: even one worker would leave decode over its predicted load
+                self._pending, self._count = NONE, 0
+                return out(NONE, "decode_headroom")
+        movers = pick_candidates(workers, rec, k)
         if not movers:  # unreachable: source_active >= 2
             return out(NONE, "no_candidate")
         decision = out(rec, reason, movers)

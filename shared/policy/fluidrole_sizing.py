@@ -3,30 +3,59 @@
 Pressure scales, to first order, with the inverse of the number of workers sharing it: PPI̅
 (eq. 20) with 1/|P|, DPI̅_load and DPI̅_adm (eq. 21) with 1/|D|. A move of k workers is
 sized so that the pressured phase lands in the middle of its hysteresis band, and is
-bounded so that the phase giving the workers up stays out of the band that would trigger
+bounded so that the phase giving the workers up stays clear of the band that would trigger
 the move back:
 
-* D→P: k = ⌈|P|·PPI̅ / PPI_mid − |P|⌉, PPI_mid = (PPI_low + PPI_high) / 2, bounded by
-  |D|·DPI̅_load / (|D| − k) < DPI_load^high and |D|·DPI̅_adm / (|D| − k) < the D→P
-  admission guard (fluidrole.adm_guard).
-* P→D: k = ⌈|D|·DPI̅_adm / ADM_mid − |D|⌉, ADM_mid = (DPI_adm^high + guard) / 2, bounded
-  by |P|·PPI̅ / (|P| − k) < PPI_low — except when the decode pool's saturated admission is
-  what blocks prefill (``decode_blocked``, fluidrole rule 5): PPI̅ then measures decode
-  backpressure, not prefill work, and taking prefill workers away does not raise it.
+* D→P: k = ⌈|P|·PPI̅ / PPI_mid − |P|⌉, PPI_mid = (PPI_low + PPI_high) / 2, bounded by the
+  *predicted* decode load after the move, with a margin: |D|·DPI̅_load / (|D| − k) <
+  DPI_load^high − ``d2p_load_margin``, |D|·DPI̅_adm / (|D| − k) < the D→P admission guard
+  (``adm_guard``), and, when the workers' batch limit is known, the decode backlog (running
+  decodes + requests waiting for decode admission, ``DecodeDemand``) fills at most
+  ``decode_fill_target`` of the remaining decode slots. The margin is there because the
+  decode load measured while prefill is the bottleneck is throttled by it: more prefill
+  workers send more requests to decode (a 5P3D → 7P1D move at DPI̅_load 0.08 saturated the
+  one decode worker within 20 s on azure-mixed). Unlike the other bounds these also refuse
+  k = 1 (0 = no move).
+* P→D: k = the larger of ⌈|D|·DPI̅_adm / ADM_mid − |D|⌉ (ADM_mid = (DPI_adm^high + guard)
+  / 2) and the workers the decode backlog needs at ``decode_fill_target``, bounded by
+  |P|·PPI̅ / (|P| − k) < PPI_low — or < PPI_high when decode admission is saturated
+  (DPI̅_adm >= DPI_adm^blocking: the demand is censored by the full slots, so the decode gap
+  under-states it, and only PPI̅ > PPI_high moves workers back) — and not bounded at all
+  when the saturated decode admission is what blocks prefill (``decode_blocked``, fluidrole
+  rule 5): PPI̅ then measures decode backpressure, not prefill work.
 
-At least one worker moves when the rules recommend a move (the recommendation already
-checked k = 1's preconditions, eq. 22–23), at most ``cfg.max_move_workers``, and the
-source role keeps at least one Active worker. Pure.
+P→D moves at least one worker when the rules recommend it (they checked k = 1's
+preconditions, eq. 23); every move is at most ``cfg.max_move_workers`` and leaves the source
+role at least one Active worker. Pure.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from shared.policy.config import PolicyConfig
 
 D2P = "decode_to_prefill"
 P2D = "prefill_to_decode"
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeDemand:
+    """The decode backlog — requests that hold a decode slot or wait for one — and the slots
+    one decode worker has (its ``max_num_seqs``; 0 = unknown: no demand bound). Requests
+    still queued for prefill are not counted: counting them refused the D→P moves a
+    prefill-bound stage needs (they reach decode at the prefill rate, not at once)."""
+
+    requests: int = 0
+    slots_per_worker: int = 0
+
+    def workers_needed(self, fill_target: float) -> int:
+        """Decode workers that keep the backlog within ``fill_target`` of their slots (0 when
+        the slots are unknown)."""
+        if self.slots_per_worker <= 0 or fill_target <= 0:
+            return 0
+        return math.ceil(self.requests / (self.slots_per_worker * fill_target) - 1e-9)
 
 
 def adm_guard(cfg: PolicyConfig) -> float:
@@ -54,25 +83,38 @@ def move_size(
     cfg: PolicyConfig,
     *,
     decode_blocked: bool = False,
+    demand: DecodeDemand | None = None,
 ) -> int:
     """Workers to move for ``action`` (D2P | P2D) under ADAPTIVE rules (module doc); 0 when
-    the source role cannot give any (fewer than 2 Active workers)."""
+    the source role cannot give any (fewer than 2 Active workers) or, for D2P, when even one
+    worker would leave the decode side over its predicted-load bounds."""
     cap = cfg.max_move_workers
+    demand = demand or DecodeDemand()
     if action == D2P:
         if n_decode < 2:
             return 0
         mid = 0.5 * (cfg.ppi_low + cfg.ppi_high)
         need = math.ceil(n_prefill * ppi_bar / mid - n_prefill - 1e-9) if n_prefill else 1
-        k_load = _largest_k(n_decode, dpi_load_bar, cfg.dpi_load_high, cap)
+        load_bound = cfg.dpi_load_high - cfg.d2p_load_margin
+        k_load = _largest_k(n_decode, dpi_load_bar, load_bound, cap)
         k_adm = _largest_k(n_decode, dpi_adm_bar, adm_guard(cfg), cap)
-        k = min(need, k_load, k_adm, cap, n_decode - 1)
-        return max(1, k)
+        needed_d = demand.workers_needed(cfg.decode_fill_target)
+        k_demand = n_decode - needed_d if needed_d else cap
+        k = min(max(1, need), k_load, k_adm, k_demand, cap, n_decode - 1)
+        return max(0, k)
     if action == P2D:
         if n_prefill < 2:
             return 0
         mid = 0.5 * (cfg.dpi_adm_high + adm_guard(cfg))
         need = math.ceil(n_decode * dpi_adm_bar / mid - n_decode - 1e-9) if n_decode else 1
-        k_ppi = cap if decode_blocked else _largest_k(n_prefill, ppi_bar, cfg.ppi_low, cap)
+        needed_d = demand.workers_needed(cfg.decode_fill_target)
+        need = max(need, needed_d - n_decode)
+        if decode_blocked:
+            k_ppi = cap
+        elif dpi_adm_bar >= cfg.dpi_adm_blocking:
+            k_ppi = _largest_k(n_prefill, ppi_bar, cfg.ppi_high, cap)
+        else:
+            k_ppi = _largest_k(n_prefill, ppi_bar, cfg.ppi_low, cap)
         k = min(need, k_ppi, cap, n_prefill - 1)
         return max(1, k)
     return 0

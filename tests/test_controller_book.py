@@ -1,0 +1,64 @@
+"""The controller's WorkerBook hands FluidRole the decode backlog it bounds moves with: a
+decode worker's ``decode_waiting`` telemetry and its registry batch limit (max_num_seqs),
+on decode views only. Pure bookkeeping, no processes."""
+
+from __future__ import annotations
+
+from services.controller.status import WorkerBook
+from shared.messages import Role, WorkerRecord, WorkerTelemetry
+from shared.policy.fluidrole import decode_demand
+from shared.policy.fluidrole_sizing import DecodeDemand
+
+
+def record(worker_id: str, role: Role, max_num_seqs: int) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id,
+        role=role,
+        state="active",
+        pid=1,
+        host="h",
+        model="m",
+        fingerprint="f",
+        kv_total_blocks=128,
+        kv_block_size=16,
+        max_model_len=4096,
+        started_at_s=0.0,
+        heartbeat_at_s=0.0,
+        heartbeat_period_s=1.0,
+        decode_reserve_tokens=32,
+        max_num_seqs=max_num_seqs,
+    )
+
+
+def telemetry(worker_id: str, role: Role, running: int, waiting: float) -> WorkerTelemetry:
+    return WorkerTelemetry(
+        publisher_id=worker_id,
+        epoch=1,
+        seq=0,
+        time_s=0.0,
+        role=role,
+        state="active",
+        queue_len=3 if role == "prefill" else 0,
+        running=running,
+        free_blocks=100,
+        total_blocks=128,
+        ppi=0.5,
+        dpi_load=0.2,
+        dpi_adm=0.3,
+        metrics={"decode_waiting": waiting},
+    )
+
+
+def test_snapshot_carries_decode_waiting_and_batch_limit() -> None:
+    book = WorkerBook(window_s=5.0, stale_s=1.0)
+    book.observe(telemetry("d0", "decode", running=10, waiting=4.0), 0.0)
+    book.observe(telemetry("d1", "decode", running=7, waiting=0.0), 0.0)
+    # A prefill worker's telemetry may carry the key too; it is not decode backlog.
+    book.observe(telemetry("p0", "prefill", running=1, waiting=9.0), 0.0)
+    records = [record("d0", "decode", 48), record("d1", "decode", 48), record("p0", "prefill", 8)]
+    views = {v.worker_id: v for v in book.snapshot(records, 0.5).workers}
+    assert (views["d0"].decode_waiting, views["d0"].max_decode_requests) == (4, 48)
+    assert (views["d1"].decode_waiting, views["d1"].max_decode_requests) == (0, 48)
+    assert (views["p0"].decode_waiting, views["p0"].max_decode_requests) == (0, 0)
+    # What the policy bounds a D→P move by: running + waiting on decode workers.
+    assert decode_demand(tuple(views.values())) == DecodeDemand(10 + 4 + 7, 48)
