@@ -1,6 +1,6 @@
 """The simulator's control plane: telemetry (20 ms), FluidRole (1 s), switching, migration.
 
-Mirrors worker/telemetry.py, controller/status.py + controller.py and worker/switch.py:
+Mirrors worker/policy.py, controller/status.py + controller.py and worker/switch.py:
 
 * Telemetry: every worker publishes every ``telemetry_interval_s``. A decode-role worker
   computes ``decode_pressure`` (eq. 6–8, 14, 16, 17) from its load — C_active = Σ tokens of

@@ -52,12 +52,12 @@ from typing import Any
 
 from shared.policy.config import PAPER, PolicyConfig
 from shared.policy.fluidrole_sizing import DecodeDemand, adm_guard, move_size
-from shared.policy.window import SlidingWindow
 
 # The vocabulary is roles.py's; these names stay importable from here for the policy's users.
 from shared.policy.roles import ACTIVE, DECODE, PREFILL
 from shared.policy.roles import DRAIN as DRAIN
 from shared.policy.roles import SWITCH as SWITCH
+from shared.policy.window import SlidingWindow
 
 NONE = "none"
 D2P = "decode_to_prefill"
