@@ -1,4 +1,4 @@
-"""The decode role's request table (services/worker/decode_table.py) on a real block
+"""The decode role's request table (services/worker/decode/decode_table.py) on a real block
 manager: cancels before and during a step, migration freeze/unfreeze, and that every way
 out frees the request's blocks (check_integrity after each)."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.worker.decode_request import DecodeRequest
-from services.worker.decode_table import DecodeTable
+from services.worker.decode.decode_request import DecodeRequest
+from services.worker.decode.decode_table import DecodeTable
 from services.worker.token_stream import TokenStreamer
 from shared.engine.block_manager import BlockManager
 from shared.engine.sequence import Sequence

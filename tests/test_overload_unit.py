@@ -20,8 +20,8 @@ from services.router.config import STREAM_HOLD_AUTO_MARGIN_S, RouterConfig
 from services.router.errors import end_to_error
 from services.router.streams import StreamEnd
 from services.worker.config import WorkerConfig
+from services.worker.decode.decode_waiting import WaitingAdmissions, WaitingTotals
 from services.worker.decode_choice import DecodeView, pick_with_capacity
-from services.worker.decode_waiting import WaitingAdmissions, WaitingTotals
 from services.worker.main import main as worker_main
 from shared.engine.profiles import load_profile
 from shared.messages import Role, WorkerRecord, WorkerTelemetry

@@ -82,7 +82,7 @@ def test_worker_and_simulator_use_the_same_functions() -> None:
     import services.sim.cluster as sim_cluster
     import services.sim.control as sim_control
     import services.sim.router as sim_router
-    import services.worker.decode_intake as intake
+    import services.worker.decode.decode_intake as intake
     import services.worker.policy as policy
 
     assert policy.suffix_chunk_tokens is sim_cluster.suffix_chunk_tokens

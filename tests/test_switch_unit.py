@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-import services.worker.switch as switch_mod
-from services.worker.switch import wait_drained
+import services.worker.role_switch.switch as switch_mod
+from services.worker.role_switch.switch import wait_drained
 
 
 async def test_drain_ends_on_the_progress_signal(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,7 +1,7 @@
 """SimConfig: one simulated FluidPD cluster, and the named configurations of the paper's §V.
 
 Every default mirrors the real worker, router and controller (services/worker/config.py,
-services/worker/decode_role.py, services/router/pairing.py, services/controller); the
+services/worker/decode/decode_role.py, services/router/pairing.py, services/controller); the
 FluidToken/FluidRole thresholds come from ``PolicyConfig`` (shared/policy/config.py), the
 latency model from the shipped profile. Values the real system does not have (the KV link,
 the switch overhead) are named as modelling choices on their field.
@@ -51,7 +51,7 @@ class SimConfig:
     # the one formula pressure.admission_kv_tokens); longer outputs grow while decoding.
     decode_reserve_tokens: int = 256
     telemetry_interval_s: float = 0.02  # WorkerConfig.telemetry_interval_s
-    # Admission (services/worker/admission.py / DecodeRole.admit): retry periods and the give-up.
+    # Admission (services/worker/prefill/admission.py / DecodeRole.admit): retry periods and the give-up.
     admit_timeout_s: float = 5.0
     retry_batch_full_s: float = 0.02
     retry_no_blocks_s: float = 0.05

@@ -1,6 +1,6 @@
 """The simulator's control plane: telemetry (20 ms), FluidRole (1 s), switching, migration.
 
-Mirrors worker/policy.py, controller/status.py + controller.py and worker/switch.py:
+Mirrors worker/policy.py, controller/status.py + controller.py and worker/role_switch/switch.py:
 
 * Telemetry: every worker publishes every ``telemetry_interval_s``. A decode-role worker
   computes ``decode_pressure`` (eq. 6–8, 14, 16, 17) from its load — C_active = Σ tokens of
@@ -240,7 +240,7 @@ class ControlPlane:
 
     # ---------------------------------------------------------------- switching
     def start_switch(self, w: SimWorker, target: str) -> None:
-        """Active(role) → Drain (worker/switch.py ``_run``). Mutates workers and queues."""
+        """Active(role) → Drain (worker/role_switch/switch.py ``_run``). Mutates workers and queues."""
         now = self.now
         w.state = DRAIN
         w.target_role = target

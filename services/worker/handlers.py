@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import structlog
 
-from services.worker.decode_role import DecodeRole
-from services.worker.prefill_role import PrefillRole
+from services.worker.decode.decode_role import DecodeRole
+from services.worker.prefill.prefill_role import PrefillRole
 from services.worker.status import WorkerStatus
 from shared.bus import Bus
 from shared.errors import InvalidRequestError, WorkerNotActiveError

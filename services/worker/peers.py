@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from services.worker.decode_choice import DecodeView, pick_with_capacity
-from services.worker.prefill_job import PrefillJob
+from services.worker.prefill.prefill_job import PrefillJob
 from shared.bus import Bus, ServeHandle
 from shared.bus.registry import RegistryWatcher
 from shared.messages import Subjects, WorkerRecord, WorkerTelemetry

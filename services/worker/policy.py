@@ -19,7 +19,7 @@ from typing import Any
 from services.worker.config import WorkerConfig
 from services.worker.metrics import WorkerMetrics
 from services.worker.peers import Peers
-from services.worker.prefill_job import PrefillJob
+from services.worker.prefill.prefill_job import PrefillJob
 from services.worker.stats import DecodeStats, PrefillStats, PressureSignals
 from services.worker.status import WorkerStatus
 from shared.engine.profiles import load_profile

@@ -25,20 +25,20 @@ from prometheus_client import CollectorRegistry
 
 from services.common.service import Service
 from services.worker.config import PREFILL_CHUNK_TOKENS, WorkerConfig
-from services.worker.decode_role import DecodeRole
+from services.worker.decode.decode_role import DecodeRole
 from services.worker.engine_factory import build_engine
 from services.worker.failure import FailurePath
 from services.worker.handlers import WorkerHandlers
 from services.worker.metrics import WorkerMetrics, start_metrics_server
-from services.worker.migration import Migrator
 from services.worker.peers import Peers
 from services.worker.policy import WorkerPolicy, load_policy_config, worker_profile
-from services.worker.prefill_role import PrefillRole
+from services.worker.prefill.prefill_role import PrefillRole
 from services.worker.record import worker_record
+from services.worker.role_switch.migration import Migrator
+from services.worker.role_switch.switch import RoleSwitcher
+from services.worker.role_switch.switch_lease import SwitchLease
 from services.worker.state_events import StateAnnouncer
 from services.worker.status import WorkerStatus
-from services.worker.switch import RoleSwitcher
-from services.worker.switch_lease import SwitchLease
 from services.worker.telemetry import Telemetry
 from services.worker.token_stream import TokenFlusher, TokenStreamer
 from services.worker.transfer_endpoints import open_transfer

@@ -37,9 +37,9 @@ from typing import Any
 import structlog
 
 from services.worker.config import PREFILL_CHUNK_TOKENS
-from services.worker.decode_intake import DecodeIntake
-from services.worker.decode_step import StepPlan, commit_step, plan_step
-from services.worker.decode_table import DecodeTable
+from services.worker.decode.decode_intake import DecodeIntake
+from services.worker.decode.decode_step import StepPlan, commit_step, plan_step
+from services.worker.decode.decode_table import DecodeTable
 from services.worker.stats import DecodeStats, PoolStats
 from services.worker.token_stream import TokenStreamer
 from shared.engine.interface import StepEngine

@@ -25,13 +25,13 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
 
-from services.worker.decode_role import DecodeRole
-from services.worker.migration import Migrator
-from services.worker.prefill_role import PrefillRole
+from services.worker.decode.decode_role import DecodeRole
+from services.worker.prefill.prefill_role import PrefillRole
+from services.worker.role_switch.migration import Migrator
+from services.worker.role_switch.switch_lease import SwitchLease
 from services.worker.state_events import StateAnnouncer
 from services.worker.stats import SwitchStats
 from services.worker.status import WorkerStatus
-from services.worker.switch_lease import SwitchLease
 from shared.bus import Bus
 from shared.bus.errors import BusError
 from shared.errors import BlockStateError

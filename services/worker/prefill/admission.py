@@ -18,7 +18,7 @@ import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 
-from services.worker.prefill_job import PrefillJob
+from services.worker.prefill.prefill_job import PrefillJob
 from shared.bus import Bus
 from shared.bus.errors import BusError, RemoteError
 from shared.messages import AdmitReply, AdmitRequest, Subjects

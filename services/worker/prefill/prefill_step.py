@@ -15,7 +15,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 from services.worker.params import engine_params
-from services.worker.prefill_job import PrefillJob
+from services.worker.prefill.prefill_job import PrefillJob
 from services.worker.token_stream import TokenStreamer, wire_logprobs
 from shared.aio import resolve
 from shared.engine.batch import StepInput

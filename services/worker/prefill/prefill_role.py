@@ -36,11 +36,11 @@ from typing import Any
 
 import structlog
 
-from services.worker.admission import DecodeAdmission
-from services.worker.prefill_handoff import PrefillHandoff
-from services.worker.prefill_job import PrefillJob
-from services.worker.prefill_queue import PrefillQueue
-from services.worker.prefill_step import RouterNotices, compute_prefix
+from services.worker.prefill.admission import DecodeAdmission
+from services.worker.prefill.prefill_handoff import PrefillHandoff
+from services.worker.prefill.prefill_job import PrefillJob
+from services.worker.prefill.prefill_queue import PrefillQueue
+from services.worker.prefill.prefill_step import RouterNotices, compute_prefix
 from services.worker.stats import PrefillStats
 from services.worker.token_stream import TokenStreamer
 from shared.bus import Bus

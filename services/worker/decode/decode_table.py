@@ -15,8 +15,8 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from services.worker.decode_request import DecodeRequest, add_error_item
-from services.worker.decode_waiting import WaitingAdmissions
+from services.worker.decode.decode_request import DecodeRequest, add_error_item
+from services.worker.decode.decode_waiting import WaitingAdmissions
 from services.worker.token_stream import TokenStreamer
 from shared.engine.block_manager import BlockManager
 

@@ -16,14 +16,14 @@ from collections.abc import Callable, Iterator
 
 import structlog
 
-from services.worker.prefill_job import PrefillJob
+from services.worker.prefill.prefill_job import PrefillJob
 from shared.messages import PrefillRequest
 from shared.policy.admission import SheddingConfig, is_expired
 from shared.policy.pressure import QueuedRequest
 
 _MAX_EARLY_CANCELS = 4096  # bounded memory of ids cancelled before their request came
 
-log = structlog.get_logger("services.worker.prefill_role")
+log = structlog.get_logger("services.worker.prefill.prefill_role")
 
 Fail = Callable[[PrefillJob, str, str], None]  # (job, error text, error code)
 

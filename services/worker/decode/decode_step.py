@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.worker.decode_request import DecodeRequest
+from services.worker.decode.decode_request import DecodeRequest
 from services.worker.token_stream import TokenStreamer, wire_logprobs
 from shared.engine.batch import StepInput
 from shared.engine.block_manager import BlockManager

@@ -21,7 +21,7 @@ from typing import Any
 
 import structlog
 
-from services.worker.prefill_job import PrefillJob
+from services.worker.prefill.prefill_job import PrefillJob
 from shared.bus import Bus
 from shared.bus.errors import BusError
 from shared.engine.block_manager import BlockManager
@@ -32,7 +32,7 @@ from shared.transfer.envelope import TransferTicket
 from shared.transfer.errors import TransferError
 from shared.transfer.sender import KVSender
 
-log = structlog.get_logger("services.worker.prefill_role")
+log = structlog.get_logger("services.worker.prefill.prefill_role")
 
 
 class PrefillHandoff:

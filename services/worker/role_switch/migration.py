@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import structlog
 
-from services.worker.decode_request import DecodeRequest
-from services.worker.decode_table import DecodeTable
+from services.worker.decode.decode_request import DecodeRequest
+from services.worker.decode.decode_table import DecodeTable
 from shared.bus import Bus
 from shared.engine.interface import StepEngine
 from shared.messages import AdmitReply, CancelRequest, MigrateRequest, Subjects

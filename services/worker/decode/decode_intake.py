@@ -19,8 +19,8 @@ from typing import Any
 
 import structlog
 
-from services.worker.decode_request import DecodeRequest
-from services.worker.decode_table import DecodeTable
+from services.worker.decode.decode_request import DecodeRequest
+from services.worker.decode.decode_table import DecodeTable
 from services.worker.params import engine_params
 from services.worker.token_stream import TokenStreamer
 from shared.engine.block_manager import BlockManager
@@ -33,7 +33,7 @@ from shared.policy.pressure import admission_kv_tokens
 from shared.transfer.errors import TransferError
 from shared.transfer.receiver import KVReceiver
 
-log = structlog.get_logger("services.worker.decode_role")
+log = structlog.get_logger("services.worker.decode.decode_role")
 
 
 class DecodeIntake:
