@@ -12,10 +12,10 @@ import dataclasses
 
 import pytest
 
-from services.router.pairing import (
+from services.router.pairing import RoundRobinPolicy
+from services.router.pressure_pairing import (
     PressureConfig,
     PressurePolicy,
-    RoundRobinPolicy,
     make_policy,
 )
 from shared.messages import Role, WorkerRecord, WorkerTelemetry

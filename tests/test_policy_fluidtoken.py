@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from shared.policy.config import PolicyConfig
 from shared.policy.fluidtoken import StealBudget, select_steal_ratios
 from shared.policy.predictors import example_profile
-from shared.policy.pressure import QueuedRequest, ppi_steal_values
+from shared.policy.prefill_pressure import QueuedRequest, ppi_steal_values
 
 CFG = PolicyConfig()  # TTFT 2 s, budgets stale after 100 ms
 # 1 ms per prompt token and no fixed cost, on both sides, so deficits are easy by hand.

@@ -9,9 +9,16 @@ import pytest
 from shared.policy.config import PolicyConfig
 from shared.policy.errors import PolicyConfigError
 from shared.policy.predictors import example_profile
+from shared.policy.prefill_pressure import (
+    QueuedRequest,
+    ppi_steal_values,
+    prefix_deadline_s,
+    queue_ppi,
+    request_ppis,
+    token_deficit,
+)
 from shared.policy.pressure import (
     DecodeLoad,
-    QueuedRequest,
     admission_kv_tokens,
     decode_pressure,
     dpi_adm,
@@ -19,12 +26,7 @@ from shared.policy.pressure import (
     kv_alloc_tokens,
     max_suffix_tokens,
     n_tpot,
-    ppi_steal_values,
-    prefix_deadline_s,
-    queue_ppi,
-    request_ppis,
     steal_budget_tokens,
-    token_deficit,
     tpot_slack_s,
 )
 

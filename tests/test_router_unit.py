@@ -29,7 +29,8 @@ from services.router.openai_api import (
     parse_completion,
     resolve_max_tokens,
 )
-from services.router.pairing import NoWorkerError, PressurePolicy, RoundRobinPolicy
+from services.router.pairing import NoWorkerError, RoundRobinPolicy
+from services.router.pressure_pairing import PressurePolicy
 from services.router.streams import RequestStream
 from shared.bus import Bus, BusConfig
 from shared.bus.registry import RegistryConfig, WorkerRegistration

@@ -212,7 +212,7 @@ def test_sim_router_pressure_pairing_matches_the_real_policy() -> None:
     resets the prefill estimate, and decode pairings count until their first token."""
     import dataclasses
 
-    from services.router.pairing import PressureConfig, PressurePolicy
+    from services.router.pressure_pairing import PressureConfig, PressurePolicy
     from services.sim.router import SimRouter
     from services.sim.workers import SimRequest, initial_workers
     from shared.messages import WorkerRecord, WorkerTelemetry

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from shared.policy.config import PolicyConfig
 from shared.policy.fluidtoken import StealBudget, select_steal_ratios
 from shared.policy.predictors import LatencyProfile, example_profile
-from shared.policy.pressure import QueuedRequest, queue_ppi
+from shared.policy.prefill_pressure import QueuedRequest, queue_ppi
 
 GOAL_US_AT_256 = 50.0
 

@@ -3,8 +3,8 @@ watcher, the token/telemetry subscriptions and the HTTP server; ``stop()`` (idem
 undoes it all. Never imports torch or shared.engine (beyond the torch-free tiny tokenizer).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,
-GET /metrics. Every handler runs inside one middleware that turns typed errors into
-OpenAI-style JSON (4xx for bad input) and anything unexpected into a logged 500.
+GET /metrics. Every handler runs inside one middleware (middleware.py) that turns typed
+errors into OpenAI-style JSON (4xx for bad input) and anything unexpected into a logged 500.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -22,22 +22,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from services.common.service import Service
 from services.router.admission import AdmissionGate
-from services.router.auth import Unauthorized, check_api_key, needs_api_key
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
-from services.router.errors import ApiError, BadRequest, error_body, error_type_for
+from services.router.errors import ApiError, BadRequest
 from services.router.generate import GenerationHandler
 from services.router.metrics import RouterMetrics
+from services.router.middleware import error_middleware
 from services.router.openai_api import (
     GenerationRequest,
     parse_chat,
     parse_completion,
     resolve_max_tokens,
 )
-from services.router.pairing import PressurePolicy, make_policy
+from services.router.pressure_pairing import PressurePolicy, make_policy
 from shared.bus import Bus
 from shared.bus.registry import RegistryWatcher
-from shared.errors import FluidPDError
 from shared.messages import Subjects, TokenBatch, WorkerRecord, WorkerTelemetry
 from shared.policy.admission import SheddingConfig
 from shared.policy.roles import ACTIVE, DECODE, PREFILL, ROLES, Role
@@ -45,8 +44,6 @@ from shared.tokenizer import Tokenizer
 from shared.tokenizer.models import load_tokenizer
 
 log = structlog.get_logger("fluidpd.router")
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 MAX_BODY_BYTES = 64 * 1024 * 1024
 # A body larger than this is decoded, templated and tokenized on the router's parse thread,
 # so a big prompt does not hold the event loop (every other stream's tokens) while it is
@@ -68,23 +65,6 @@ def decode_json(raw: bytes) -> Any:
         raise BadRequest("the request body is not valid JSON") from None
     except RecursionError:
         raise BadRequest("the request body is nested too deeply") from None
-
-
-def error_response(exc: Exception) -> web.Response:
-    """OpenAI-style error JSON for ``exc`` (typed errors keep their status and code)."""
-    if isinstance(exc, ApiError):
-        status, code, message, param = exc.http_status, exc.code, exc.message, exc.param
-    elif isinstance(exc, FluidPDError):
-        status, code, message, param = exc.http_status, exc.code, str(exc), None
-    else:
-        status, code, message, param = 500, "internal_error", "internal server error", None
-    headers = {}
-    retry = getattr(exc, "retry_after_s", None)
-    if retry:
-        headers["Retry-After"] = str(retry)
-    return web.json_response(
-        error_body(message, error_type_for(status), code, param), status=status, headers=headers
-    )
 
 
 class Router(Service):
@@ -215,44 +195,14 @@ class Router(Service):
 
     # --- HTTP ---------------------------------------------------------------------------
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._middleware], client_max_size=MAX_BODY_BYTES)
+        middleware = error_middleware(self.cfg.api_key, self.metrics)
+        app = web.Application(middlewares=[middleware], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         return app
-
-    @web.middleware
-    async def _middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        endpoint = request.path if request.path in ENDPOINTS else "other"
-        try:
-            if self.cfg.api_key and needs_api_key(request.path):
-                try:
-                    check_api_key(self.cfg.api_key, request.headers.get("Authorization"))
-                except Unauthorized:
-                    self.metrics.unauthorized_total.inc()
-                    raise
-            response = await handler(request)
-        except web.HTTPException as exc:  # 404/405 from routing: OpenAI shape as well
-            response = web.json_response(
-                error_body(
-                    exc.reason, error_type_for(exc.status), exc.reason.lower().replace(" ", "_")
-                ),
-                status=exc.status,
-            )
-        except FluidPDError as exc:
-            response = error_response(exc)
-            self.metrics.errors_total.labels(code=exc.code).inc()
-        except (asyncio.CancelledError, ConnectionResetError):
-            self.metrics.requests_total.labels(endpoint=endpoint, status="499").inc()
-            raise
-        except Exception:
-            log.exception("handler_failed", endpoint=endpoint)
-            self.metrics.errors_total.labels(code="internal_error").inc()
-            response = error_response(RuntimeError())
-        self.metrics.requests_total.labels(endpoint=endpoint, status=str(response.status)).inc()
-        return response
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         assert self.tokenizer is not None and self.generation is not None

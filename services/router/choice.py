@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.router.dispatch import InFlight
+from services.router.in_flight import InFlight
 from services.router.logprobs import make_logprobs
 from services.router.openai_api import GenerationRequest
 from services.router.streams import StreamChunk

@@ -1,7 +1,8 @@
 """The bus side of the router: submit requests to a worker pair, route token items to
 their streams, cancel, and end requests whose worker left the registry.
 
-Holds request → (prefill worker, decode worker, stream) for every request in flight.
+Holds request → (prefill worker, decode worker, stream) for every request in flight; an
+entry and its custody rules are in_flight.py.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import structlog
 
 from services.router.config import RouterConfig
 from services.router.errors import Unavailable
+from services.router.in_flight import InFlight
 from services.router.metrics import RouterMetrics
 from services.router.openai_api import GenerationRequest
 from services.router.pairing import NoWorkerError, PairingPolicy
@@ -37,27 +38,6 @@ from shared.policy.roles import DECODE, PREFILL, Role
 log = structlog.get_logger("fluidpd.router")
 SEED_BITS = 62
 RETRY_AFTER_S = 1
-
-
-@dataclass
-class InFlight:
-    """One submitted request: where it runs and its token stream."""
-
-    request_id: str
-    prefill_id: str
-    decode_id: str
-    stream: RequestStream
-    arrival_s: float
-    prompt_len: int
-    max_tokens: int
-    cancelled: bool = field(default=False)
-    sent_s: float = 0.0  # wall clock when the request was handed to the bus
-    # Every worker the request was given to: the pair, then whoever a member handed it to
-    # (TokenItem.handed_to). Only members may stream its tokens or hand it on.
-    custody: set[str] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.custody.update((self.prefill_id, self.decode_id))
 
 
 class Dispatcher:
@@ -86,17 +66,17 @@ class Dispatcher:
     # --- bus callbacks ----------------------------------------------------------------
     async def on_tokens(self, batch: TokenBatch) -> None:
         """Route each item to its stream; items of unknown/finished requests, and items
-        from a worker that does not serve the request (``_may_publish``), are dropped."""
+        from a worker that does not serve the request (``InFlight.may_publish``), are dropped."""
         now = time.time()
         foreign = 0
         for item in batch.items:
             entry = self.in_flight.get(item.request_id)
             if entry is not None:
-                if not self._may_publish(entry, batch.publisher_id):
+                if not entry.may_publish(batch.publisher_id, self._active_decode_ids):
                     foreign += 1
                     continue
                 if item.handed_to is not None:
-                    self._hand_over(entry, batch.publisher_id, item.handed_to, item.handed_role)
+                    entry.hand_over(batch.publisher_id, item.handed_to, item.handed_role)
                     continue
                 if item.token_ids or item.finish_reason is not None:
                     # Admitted and running (or over): the decode worker's telemetry now
@@ -107,44 +87,8 @@ class Dispatcher:
             self.metrics.foreign_token_items_total.inc(foreign)
             log.warning("token_items_foreign", publisher=batch.publisher_id, items=foreign)
 
-    def _may_publish(self, entry: InFlight, publisher_id: str) -> bool:
-        """Whether ``publisher_id`` may stream ``entry``'s tokens; rebinds on a migration.
-
-        The bus has already checked that the batch came from ``publisher_id`` (its subject
-        names it, and NATS lets a worker publish only under its own id). The paired workers
-        may; another worker only as the target of a live migration: it is an Active decode
-        worker and the request's decode worker no longer is (it drains). Mutates
-        ``entry.decode_id`` then, so worker-loss handling follows the request."""
-        if publisher_id in entry.custody:
-            return True
-        active = {w.worker_id for w in self._workers(DECODE)}
-        if publisher_id in active and entry.decode_id not in active:
-            entry.decode_id = publisher_id
-            entry.custody.add(publisher_id)
-            return True
-        return False
-
-    @staticmethod
-    def _hand_over(entry: InFlight, publisher_id: str, to_id: str, role: Role | None) -> None:
-        """``publisher_id`` (already checked to be in ``entry``'s custody: only a worker the
-        request was given to can rebind it) hands the ``role`` part of ``entry`` to
-        ``to_id``: a queue hand-off at a P->D switch, a re-pairing with another decode
-        worker. The notice comes before the new worker can stream anything (one
-        publisher's messages keep their order through nats-server). Mutates ``entry``."""
-        if role == PREFILL:
-            entry.prefill_id = to_id
-        elif role == DECODE:
-            entry.decode_id = to_id
-        else:
-            return
-        entry.custody.add(to_id)
-        log.info(
-            "request_handed_over",
-            request_id=entry.request_id,
-            publisher=publisher_id,
-            to=to_id,
-            role=role,
-        )
+    def _active_decode_ids(self) -> set[str]:
+        return {w.worker_id for w in self._workers(DECODE)}
 
     def on_registry_change(self, change: RegistryChange) -> None:
         """A worker left: end the requests it still holds (prefill side: only requests

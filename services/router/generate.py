@@ -1,10 +1,11 @@
 """Serving one generation request over HTTP: submit, assemble text, answer (JSON or SSE).
 
-Each choice's text and logprobs are assembled by services/router/choice.py; a stop string
-ends a choice early (its workers get a CancelRequest). ``n > 1`` (streamed or not): n requests to the
-workers, sampled with seeds derived from the request's (``choice_seed``), so a seeded
-request gives the same n choices every time. A client that disconnects cancels the
-handler (aiohttp ``handler_cancellation``) and the requests are cancelled on the workers.
+Each choice's text and logprobs are assembled by services/router/choice.py, the response
+objects built by services/router/response_body.py; a stop string ends a choice early (its
+workers get a CancelRequest). ``n > 1`` (streamed or not): n requests to the workers,
+sampled with seeds derived from the request's (``choice_seed``), so a seeded request gives
+the same n choices every time. A client that disconnects cancels the handler (aiohttp
+``handler_cancellation``) and the requests are cancelled on the workers.
 A stream's 200 waits for its first token (bounded by ``stream_header_hold_s``), so a request
 dropped before then gets an error status, not an in-band error.
 """
@@ -22,12 +23,14 @@ import structlog
 from aiohttp import web
 
 from services.router.admission import AdmissionGate
-from services.router.choice import Choice, TextAssembler
+from services.router.choice import Choice
 from services.router.disconnect import wait_watching
-from services.router.dispatch import Dispatcher, InFlight
+from services.router.dispatch import Dispatcher
 from services.router.errors import end_to_error, error_body, error_type_for
+from services.router.in_flight import InFlight
 from services.router.metrics import RouterMetrics
 from services.router.openai_api import GenerationRequest
+from services.router.response_body import choice_object, envelope, timing_extension, usage
 from services.router.streams import StreamEnd
 from shared.tokenizer import Tokenizer
 
@@ -83,74 +86,6 @@ class GenerationHandler:
             )
             self.dispatcher.cancel_soon(entry, "request_timeout")
             return await entry.stream.next()
-
-    def _base(self, req: GenerationRequest, entry: InFlight, chunk: bool) -> dict[str, Any]:
-        if req.kind == "chat":
-            obj = "chat.completion.chunk" if chunk else "chat.completion"
-            prefix = "chatcmpl-"
-        else:
-            obj, prefix = "text_completion", "cmpl-"
-        return {
-            "id": prefix + entry.request_id,
-            "object": obj,
-            "created": int(entry.arrival_s),
-            "model": self.model_name,
-        }
-
-    def _choice(
-        self,
-        req: GenerationRequest,
-        choice: Choice,
-        text: str | None,
-        finish: str | None,
-        chunk: bool,
-        first: bool = False,
-    ) -> dict[str, Any]:
-        """One choice object. Takes the choice's pending logprobs, except for the ``first``
-        (role) chunk of a chat stream, which carries no token: with the header hold its
-        first token is already in when the role chunk goes out, and its logprobs belong to
-        the chunk with its text."""
-        logprobs: dict[str, Any] | None
-        if first:
-            logprobs = None if choice.logprobs is None else {"content": []}
-        else:
-            logprobs = choice.take_logprobs()
-        i = choice.index
-        if req.kind == "completion":
-            return {"index": i, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        if chunk:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
-            if text is not None:
-                delta["content"] = text
-            return {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        return {
-            "index": i,
-            "message": {"role": "assistant", "content": text or ""},
-            "logprobs": logprobs,
-            "finish_reason": finish,
-        }
-
-    @staticmethod
-    def _usage(choices: list[Choice]) -> dict[str, int]:
-        prompt = choices[0].entry.prompt_len
-        completion = sum(c.text.num_tokens for c in choices)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-
-    @staticmethod
-    def _extension(entry: InFlight, text: TextAssembler) -> dict[str, Any]:
-        return {
-            "request_id": entry.request_id,
-            "prefill_worker": entry.prefill_id,
-            "decode_worker": entry.decode_id,
-            "arrival_s": entry.arrival_s,
-            "sent_s": entry.sent_s,
-            "token_receive_s": text.receive_times_s,
-            "worker_timestamps": entry.stream.timestamps,
-        }
 
     async def run(
         self, request: web.Request, req: GenerationRequest, max_tokens: int
@@ -248,15 +183,15 @@ class GenerationHandler:
                 if req.logprobs is None:
                     c.logprobs = None  # asked internally only
         body = {
-            **self._base(req, entry, chunk=False),
+            **envelope(req, entry, self.model_name, chunk=False),
             "choices": [
-                self._choice(req, c, text, end.finish_reason, chunk=False)
+                choice_object(req, c, text, end.finish_reason, chunk=False)
                 for c, (text, end) in done
             ],
-            "usage": self._usage(choices),
+            "usage": usage(choices),
         }
         if req.timestamps:
-            body["fluidpd"] = self._extension(entry, choices[0].text)
+            body["fluidpd"] = timing_extension(entry, choices[0].text)
         return web.json_response(body)
 
     async def _hold(
@@ -318,7 +253,7 @@ class GenerationHandler:
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
             await response.prepare(request)
-            base = self._base(req, choices[0].entry, chunk=True)
+            base = envelope(req, choices[0].entry, self.model_name, chunk=True)
             usage_null = {"usage": None} if req.include_usage else {}
 
             async def send(payload: dict[str, Any]) -> None:
@@ -326,14 +261,14 @@ class GenerationHandler:
 
             if req.kind == "chat":
                 for ch in choices:
-                    first = self._choice(req, ch, "", None, True, first=True)
+                    first = choice_object(req, ch, "", None, True, first=True)
                     await send({**base, "choices": [first], **usage_null})
             open_choices = len(choices)
             while open_choices:
                 c, delta, end = pending.pop() if pending else await steps.get()
                 if end is not None and end.failed:
                     if delta:
-                        part = self._choice(req, c, delta, None, True)
+                        part = choice_object(req, c, delta, None, True)
                         await send({**base, "choices": [part], **usage_null})
                     err = end_to_error(end)
                     await send(error_body(err.message, error_type_for(err.http_status), err.code))
@@ -342,17 +277,17 @@ class GenerationHandler:
                     finish = end.finish_reason if end is not None else None
                     payload = {
                         **base,
-                        "choices": [self._choice(req, c, delta, finish, True)],
+                        "choices": [choice_object(req, c, delta, finish, True)],
                         **usage_null,
                     }
                     if end is not None and req.timestamps:
-                        payload["fluidpd"] = self._extension(c.entry, c.text)
+                        payload["fluidpd"] = timing_extension(c.entry, c.text)
                     await send(payload)
                 if end is not None:
                     open_choices -= 1
             else:
                 if req.include_usage:
-                    await send({**base, "choices": [], "usage": self._usage(choices)})
+                    await send({**base, "choices": [], "usage": usage(choices)})
         finally:
             for task in pumps:
                 task.cancel()

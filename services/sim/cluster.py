@@ -1,45 +1,8 @@
-"""Discrete-event simulation of a FluidPD cluster: the data path (router → prefill → KV
-transfer → decode). Telemetry, FluidRole and switching are in control.py.
+"""Discrete-event simulation of a FluidPD cluster: the event queue and one run.
 
-What is modelled, mirroring the real services (file names are the ones mirrored):
-
-* router/pairing.py — each arrival gets a (prefill, decode) pair among Active workers; with
-  shedding on (cfg.shedding, shared/policy/admission.py) a request whose predicted TTFT on
-  its prefill worker (queued T_pre + the running prefill's T_pre + its own) exceeds the
-  multiple of S_TTFT is rejected at the door (``rejected``, not attained), and so is every
-  request while each Active decode worker has ``decode_backlog_batches`` × ``max_num_seqs``
-  requests waiting for its admission (the live router's decode-backlog shedding).
-* worker/prefill_role.py — FIFO queue, one request per prefill iteration; a request whose
-  TTFT deadline passed by more than the expiry margin is dropped when it reaches the head
-  (``expired``). At the head:
-  Algorithm 1 (``select_steal_ratios``, FluidToken configs) over the queue with the freshest
-  steal budgets, suffix = min(plan, L − 1); then admission at the paired decode worker,
-  retried every 20 ms (batch full) / 50 ms (no blocks) while the request holds the head,
-  given up after max(admit_timeout, remaining TTFT budget) (the request fails); then the
-  prefix computes for T_pre(L_pfx) (eq. 2); the first token is streamed at once when nothing
-  was stolen; the prefix KV leaves over the worker's link (serialised) at
-  ``kv_bytes_per_token × L_pfx / bandwidth`` while the next prefill starts.
-* worker/decode_role.py — admission reserves blocks for pressure.admission_kv_tokens (the
-  prompt plus ``decode_reserve_tokens`` of output, within the context; the worker's
-  formula) and counts toward ``max_num_seqs``; it re-checks a planned steal against
-  pressure.suffix_allowance_tokens now (its budget, capped by what fits in the TPOT slack on
-  the request's real prefix) and refuses the steal (not the request) when it exceeds it.
-  Installed requests join the continuous batch at the next iteration; one iteration takes
-  T_iter(N, C) (eq. 13) plus, for up to pressure.suffix_chunk_tokens stolen suffix tokens
-  (TPOT-safe on the first chunk's prefix; 0 without slack while requests decode),
-  T_sfx(chunk, context) each (the emulated engine's cost of a mixed step); a split request's
-  first token comes out of the iteration that runs its last suffix chunk. Approximation:
-  a request's growth past its reservation is not charged to the block pool (the worker
-  allocates it on demand; with ~400k KV tokens and <= 64 sequences the pool is not the
-  binding limit), while C_active counts every token.
-
-Deviations (documented, deliberate): a queued request whose paired decode worker has left
-the Active decode role (D→P drain) is re-paired to another decode worker when it reaches
-the head; the real prefill worker keeps retrying the original worker until it gives up.
-Decode admission is asked before the prefill, so a request the decode side refuses blocks
-its prefill worker's queue head; the real prefill worker computes it, keeps its KV while it
-waits and goes on with the next prompt. So here at most one request per prefill worker waits
-for decode admission (what DPI_adm and the router's decode-backlog shedding count).
+The data path (router → prefill → KV transfer → decode) is in prefill_path.py and
+decode_path.py, telemetry in telemetry.py, FluidRole and switching in control.py; ``Simulation`` combines
+them (each a mixin over the same attributes) and dispatches every event to its handler.
 """
 
 from __future__ import annotations
@@ -47,11 +10,10 @@ from __future__ import annotations
 import heapq
 import time
 from collections.abc import Sequence
-from itertools import islice
-from typing import cast
 
 from services.sim.config import SimConfig
 from services.sim.control import ControlPlane
+from services.sim.decode_path import DecodePath
 from services.sim.events import (
     E_ARRIVAL,
     E_CONTROL,
@@ -66,25 +28,13 @@ from services.sim.events import (
     E_SWITCH_DONE,
     E_TELEMETRY,
 )
+from services.sim.prefill_path import PrefillPath
 from services.sim.results import SimResult
 from services.sim.router import SimRouter
+from services.sim.telemetry import Telemetry
 from services.sim.workers import SimRequest, SimWorker, initial_workers
-from shared.policy.admission import (
-    is_expired,
-    predicted_ttft_s,
-    queue_work_s,
-    sheds_for_decode_backlog,
-    should_shed,
-)
-from shared.policy.fluidtoken import StealBudget, select_steal_ratios
+from shared.policy.fluidtoken import StealBudget
 from shared.policy.predictors import LatencyProfile
-from shared.policy.pressure import (
-    QueuedRequest,
-    admission_kv_tokens,
-    suffix_chunk_tokens,
-    tpot_slack_s,
-)
-from shared.policy.roles import ACTIVE, DECODE, DRAIN, PREFILL
 from shared.trace_request import TraceRequest
 
 
@@ -92,7 +42,7 @@ class SimulationError(RuntimeError):
     """The simulation lost a request (a bug): the event queue ran dry with requests open."""
 
 
-class Simulation(ControlPlane):
+class Simulation(PrefillPath, DecodePath, Telemetry, ControlPlane):
     """One run. ``run()`` may be called once; everything is simulated seconds from 0."""
 
     def __init__(
@@ -194,250 +144,3 @@ class Simulation(ControlPlane):
             wall_s=time.perf_counter() - started,
             events=self.events,
         )
-
-    # ---------------------------------------------------------------- arrivals
-    def _arrival(self) -> None:
-        r = self.reqs[self._next_arrival]
-        self._next_arrival += 1
-        if self._next_arrival < len(self.reqs):
-            self.push(self.reqs[self._next_arrival].arrival_s, E_ARRIVAL, None)
-        if r.prompt + 1 > self._max_ctx:  # engine.check_prompt: rejected at once
-            self.fail(r)
-            return
-        if sheds_for_decode_backlog(self._decode_backlog(), self.shed):
-            r.rejected = True
-            self.fail(r)
-            return
-        p = self.router.pick(PREFILL, req=r)
-        if self.shed.sheds and self._hopeless(p, r):
-            r.rejected = True
-            self.fail(r)
-            return
-        d = self.router.pick(DECODE, req=r)
-        r.pw, r.dw, r.decode_id = p.index, d.index, d.wid
-        p.queue.append(r)
-        if p.current is None:
-            self.prefill_next(p)
-
-    def _decode_backlog(self) -> float | None:
-        """The live router's decode backlog now (``AdmissionGate.decode_backlog``): the
-        smallest count of requests waiting for admission (prefill heads retrying it) over
-        the Active decode workers, in batches of ``max_num_seqs``. None when shedding on it
-        is off (saves the count). With one waiting head per prefill worker at most, it
-        reaches 1 batch (64) only on very large clusters: the real prefill worker computes
-        on while its computed prompts wait, so it can hold many (module doc: deviation)."""
-        if self.shed.decode_backlog_batches <= 0:
-            return None
-        waiting = [0] * len(self.workers)
-        for w in self.workers:
-            r = w.current
-            if r is not None and not r.blocks and r.dw >= 0:
-                waiting[r.dw] += 1
-        seqs = max(1, self.cfg.max_num_seqs)
-        return min(
-            (waiting[w.index] / seqs for w in self.workers if w.is_active(DECODE)), default=None
-        )
-
-    def _hopeless(self, p: SimWorker, r: SimRequest) -> bool:
-        """The router's door check: predicted TTFT on ``p`` over the shedding threshold."""
-        profile = self.profile
-        running_s = profile.prefill_time_s(p.current.prompt) if p.current is not None else 0.0
-        ahead_s = queue_work_s((x.prompt for x in p.queue), profile, running_remaining_s=running_s)
-        return should_shed(
-            predicted_ttft_s(ahead_s, r.prompt, profile), self.policy.ttft_s, self.shed
-        )
-
-    def fail(self, r: SimRequest) -> None:
-        r.failed = True
-        r.done = True
-        self.remaining -= 1
-
-    # ---------------------------------------------------------------- prefill
-    def prefill_next(self, w: SimWorker) -> None:
-        """Start the head of ``w``'s queue if ``w`` is idle (the prefill loop's wakeup)."""
-        timeout = self.cfg.queue_timeout_s
-        while w.current is None and w.queue:
-            r = w.queue.popleft()
-            if timeout and self.now - r.arrival_s > timeout:
-                self.fail(r)  # aborted before its prefill started (no work done)
-                continue
-            if is_expired(r.arrival_s + self.policy.ttft_s, self.now, self.shed):
-                r.expired = True
-                self.fail(r)
-                continue
-            w.current = r
-            self._try_admit(w, r, True)
-        if w.current is None and w.state == DRAIN:
-            self.check_drain(w)
-
-    def _prefill_retry(self, w: SimWorker, r: SimRequest) -> None:
-        if w.current is r:
-            self._try_admit(w, r, False)
-            if w.current is None:
-                self.prefill_next(w)
-
-    def _try_admit(self, w: SimWorker, r: SimRequest, first: bool) -> None:
-        cfg, now = self.cfg, self.now
-        d = self.workers[r.dw]
-        if not (d.role == DECODE and d.state == ACTIVE):
-            d = self.router.pick(DECODE, req=r)  # re-pair (module doc: deviation)
-            r.dw, r.decode_id = d.index, d.wid
-        if first:
-            r.give_up_s = now + max(cfg.admit_timeout_s, r.arrival_s + self.policy.ttft_s - now)
-            sfx = 0
-            if cfg.fluidtoken and self.budgets:
-                view = [r, *islice(w.queue, cfg.policy_queue_window - 1)]
-                plan = select_steal_ratios(
-                    cast("list[QueuedRequest]", view), self.budgets, self.profile, self.policy, now
-                )
-                sfx = min(plan.stolen_tokens.get(0, 0), r.prompt - 1)
-            r.planned_suffix = sfx
-        if not d.admitting:
-            retry = cfg.retry_not_admitting_s
-        elif d.requests >= cfg.max_num_seqs:
-            retry = cfg.retry_batch_full_s
-        else:
-            sfx = r.planned_suffix
-            if sfx > 0 and sfx > self.steal_allowance(d, r.prompt - sfx):
-                sfx = 0  # DecodeRole.admit refuses the steal, not the request
-                self.refused_steals += 1
-            bs = cfg.block_size
-            kv = admission_kv_tokens(r.prompt, r.output, cfg.decode_reserve_tokens, self._max_ctx)
-            blocks = -(-kv // bs)
-            if d.free_blocks >= blocks:
-                d.reserved_blocks += blocks
-                d.requests += 1
-                d.receiving += 1
-                r.blocks, r.suffix, r.prefix = blocks, sfx, r.prompt - sfx
-                d.suffix_backlog += sfx
-                self.push(now + self.profile.prefill_time_s(r.prefix), E_PREFILL_DONE, w, r)
-                return
-            retry = cfg.retry_no_blocks_s
-        if now > r.give_up_s:
-            w.current = None
-            self.fail(r)
-            return
-        self.push(now + retry, E_PREFILL_RETRY, w, r)
-
-    def _prefill_done(self, w: SimWorker, r: SimRequest) -> None:
-        now = self.now
-        w.current = None
-        if r.suffix == 0:
-            r.t_first = now  # first token sampled and streamed by the prefill worker
-        else:
-            self.split_requests += 1
-        start = now if now > w.link_free_s else w.link_free_s
-        arrive = start + self.cfg.kv_transfer_overhead_s + r.prefix * self._kv_s_per_token
-        w.link_free_s = arrive
-        self.push(arrive, E_KV_ARRIVE, self.workers[r.dw], r)
-        self.prefill_next(w)
-
-    # ----------------------------------------------------------------- decode
-    def _kv_arrive(self, d: SimWorker, r: SimRequest) -> None:
-        d.reserved_blocks -= r.blocks
-        d.held_blocks += r.blocks
-        d.receiving -= 1
-        if r.suffix == 0 and self.cfg.first_token_via_decode:
-            r.t_first = self.now
-        if r.suffix:
-            r.sfx_done = 0
-            d.suffixes.append(r)
-            d.suffix_tokens += r.prompt
-        elif r.output == 1:
-            r.t_last = r.t_first
-            self.finish(d, r)
-            return
-        else:
-            r.ntok, r.outs = r.prompt + 1, 1
-            d.pending.append(r)
-            d.pending_tokens += r.ntok
-        if not d.busy:
-            self.start_iter(d)
-
-    def finish(self, d: SimWorker, r: SimRequest) -> None:
-        if r.t_last < 0:
-            r.t_last = self.now
-        r.done = True
-        d.release(r)
-        self.remaining -= 1
-        if d.state == DRAIN and d.requests == 0:
-            self.check_drain(d)
-
-    def start_iter(self, d: SimWorker) -> None:
-        """Plan and start one decode iteration on idle ``d`` (DecodeRole._plan + step)."""
-        if d.pending:
-            d.join_pending()
-        n = d.n_dec
-        c = d.s_ctx + n * d.k
-        t = 0.0
-        if d.suffixes:
-            first = d.suffixes[0]
-            slack = tpot_slack_s(self.decode_load(d), self.profile, self.policy)
-            budget = suffix_chunk_tokens(
-                slack,
-                first.prefix + first.sfx_done,
-                self.profile,
-                self.policy,
-                decoding=n > 0,
-                idle_chunk_tokens=self.cfg.prefill_chunk_tokens,
-            )
-            chunks = d.iter_chunks
-            profile = self.profile
-            for r in d.suffixes:
-                if budget <= 0:
-                    break
-                left = r.suffix - r.sfx_done
-                chunk = left if left < budget else budget
-                budget -= chunk
-                ctx = r.prefix + r.sfx_done
-                if chunk == 1:  # the emulated engine prices a 1-token step as decode
-                    n += 1
-                    c += ctx + 1
-                else:
-                    t += profile.suffix_time_s(chunk, ctx)
-                chunks.append((r, chunk))
-        if n:
-            t += self.profile.decode_iter_time_s(n, c)
-        if n == 0 and not d.iter_chunks:
-            d.busy = False
-            return
-        d.busy = True
-        self.push(self.now + t, E_ITER_DONE, d)
-
-    def _iter_done(self, d: SimWorker) -> None:
-        now = self.now
-        d.k += 1
-        last = d.k - 1
-        heap = d.finish_heap
-        while heap and heap[0][0] <= last:
-            _, _, epoch, r = heapq.heappop(heap)
-            if r.epoch != epoch or r.dw != d.index or r.done:
-                continue  # left this batch (migrated)
-            d.leave_batch(r)
-            r.t_last = now
-            self.finish(d, r)
-        if d.iter_chunks:
-            for r, chunk in d.iter_chunks:
-                r.sfx_done += chunk
-                d.suffix_backlog -= chunk
-                if r.sfx_done < r.suffix:
-                    continue
-                d.suffixes.remove(r)
-                d.suffix_tokens -= r.prompt
-                r.t_first = now  # sampled at the end of the last suffix chunk
-                self.stolen_tokens += r.suffix
-                self.stolen_since_sample += r.suffix
-                if r.output == 1:
-                    self.finish(d, r)
-                else:
-                    r.ntok, r.outs = r.prompt + 1, 1
-                    d.pending.append(r)
-                    d.pending_tokens += r.ntok
-            d.iter_chunks.clear()
-        d.busy = False
-        if d.state == DRAIN and self.cfg.migrate_on_drain:
-            self.migrate_all(d)
-        if d.n_dec or d.pending or d.suffixes:
-            self.start_iter(d)
-        elif d.state == DRAIN:
-            self.check_drain(d)

@@ -27,13 +27,12 @@ from shared.policy.admission import queue_work_s
 from shared.policy.config import PolicyConfig
 from shared.policy.fluidtoken import select_steal_ratios
 from shared.policy.predictors import LatencyProfile
+from shared.policy.prefill_pressure import QueuedRequest, queue_ppi
 from shared.policy.pressure import (
     DecodeLoad,
-    QueuedRequest,
     decode_load_from_pool,
     decode_pressure,
     offered_budget_tokens,
-    queue_ppi,
     suffix_allowance_tokens,
     suffix_chunk_tokens,
 )

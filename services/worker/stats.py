@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.policy.pressure import QueuedRequest
+from shared.policy.prefill_pressure import QueuedRequest
 
 
 @dataclass(frozen=True, slots=True)

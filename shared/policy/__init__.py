@@ -23,14 +23,8 @@ from shared.policy.fluidrole import (
 )
 from shared.policy.fluidtoken import StealBudget, StealPlan, select_steal_ratios
 from shared.policy.predictors import LatencyProfile, example_profile
-from shared.policy.pressure import (
-    DecodeLoad,
-    DecodePressure,
-    QueuedRequest,
-    decode_pressure,
-    queue_ppi,
-    request_ppis,
-)
+from shared.policy.prefill_pressure import QueuedRequest, queue_ppi, request_ppis
+from shared.policy.pressure import DecodeLoad, DecodePressure, decode_pressure
 from shared.policy.recalibration import EWLinearEstimator, OnlineRecalibrator
 from shared.policy.window import KeyedWindows, SlidingWindow
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from shared.policy.config import PolicyConfig
 from shared.policy.predictors import LatencyProfile
-from shared.policy.pressure import QueuedRequest
+from shared.policy.prefill_pressure import QueuedRequest
 
 _TOKEN_DUST = 1e-6  # deficits below this many tokens are float rounding, not lateness
 

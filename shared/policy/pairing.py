@@ -1,7 +1,7 @@
 """How a router ranks workers when it pairs a request: the scores, pure.
 
-The router's ``PressurePolicy`` (services/router/pairing.py) and the simulator's router
-(services/sim/router.py) both rank with these functions, so both pair the same way. The
+The router's ``PressurePolicy`` (services/router/pressure_pairing.py) and the simulator's
+router (services/sim/router.py) both rank with these functions, so both pair the same way. The
 bookkeeping around them (what was sent since a worker's telemetry, settling) stays with
 each caller.
 """

@@ -19,7 +19,7 @@ import structlog
 from services.worker.prefill.prefill_job import PrefillJob
 from shared.messages import PrefillRequest
 from shared.policy.admission import SheddingConfig, is_expired
-from shared.policy.pressure import QueuedRequest
+from shared.policy.prefill_pressure import QueuedRequest
 
 _MAX_EARLY_CANCELS = 4096  # bounded memory of ids cancelled before their request came
 
