@@ -32,7 +32,8 @@ from services.router.openai_api import (
 from services.router.pairing import NoWorkerError, PressurePolicy, RoundRobinPolicy
 from services.router.streams import RequestStream
 from shared.bus import Bus, BusConfig
-from shared.bus.registry import RegistryConfig, WorkerRegistration
+from shared.bus.registration import WorkerRegistration
+from shared.bus.registry import RegistryConfig
 from shared.messages import (
     CancelRequest,
     PrefillRequest,

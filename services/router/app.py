@@ -36,7 +36,7 @@ from services.router.openai_api import (
 )
 from services.router.pairing import PressurePolicy, make_policy
 from shared.bus import Bus
-from shared.bus.registry import RegistryWatcher
+from shared.bus.registry_watcher import RegistryWatcher
 from shared.errors import FluidPDError
 from shared.messages import Subjects, TokenBatch, WorkerRecord, WorkerTelemetry
 from shared.policy.admission import SheddingConfig
