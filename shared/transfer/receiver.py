@@ -49,7 +49,8 @@ from shared.transfer.errors import (
 from shared.transfer.inbound import Inbound, InboundReleaser
 from shared.transfer.landed_hasher import LandedHasher
 from shared.transfer.receive_checks import check_envelope, check_landed
-from shared.transfer.ucx_node import TransferNode, bind_cuda_device
+from shared.transfer.ucx_memory import bind_cuda_device
+from shared.transfer.ucx_node import TransferNode
 
 log = logging.getLogger(__name__)
 
