@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+import structlog
+
 T = TypeVar("T")
+
+log = structlog.get_logger("fluidpd.aio")
 
 
 def resolve(fut: asyncio.Future[T], value: T) -> None:
@@ -26,3 +31,19 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(coro)
     return uvloop.run(coro)
+
+
+async def cancel_and_wait(tasks: list[asyncio.Task[None]], timeout_s: float = 5.0) -> None:
+    """Cancel ``tasks`` and wait for them to end, cancelling again while they run.
+
+    Python 3.11's asyncio.wait_for (used inside nats-py) can swallow a cancellation when
+    the awaited future completes at the same moment; a single cancel() is then lost.
+    """
+    deadline = time.monotonic() + timeout_s
+    pending = {t for t in tasks if not t.done()}
+    while pending and time.monotonic() < deadline:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.05)
+    if pending:
+        log.warning("aio.tasks_not_stopped", count=len(pending))

@@ -16,7 +16,8 @@ import pytest
 
 from services.controller import Controller, ControllerConfig
 from shared.bus import Bus, BusConfig
-from shared.bus.registry import RegistryConfig, WorkerRegistration
+from shared.bus.registration import WorkerRegistration
+from shared.bus.registry import RegistryConfig
 from shared.messages import (
     ControllerDecision,
     PolicyReply,

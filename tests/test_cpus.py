@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.cluster import ClusterSpec
+from services.common.cluster_spec import ClusterSpec
 from services.common.cpus import (
     CpuSetError,
     available_cpus,

@@ -50,7 +50,8 @@ from services.bench.loadgen import prompt_ids
 from services.bench.shift import TINY_VOCAB
 from services.bench.shift_analysis import analyse
 from services.bench.shift_observer import Observer
-from services.common.cluster import Cluster, ClusterSpec
+from services.common.cluster import Cluster
+from services.common.cluster_spec import ClusterSpec
 from services.common.nats_server import free_port
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine

@@ -10,13 +10,9 @@ import time
 import pytest
 
 from shared.bus import Bus, BusConfig
-from shared.bus.registry import (
-    RegistryChange,
-    RegistryConfig,
-    RegistryWatcher,
-    WorkerRegistration,
-    open_bucket,
-)
+from shared.bus.registration import WorkerRegistration
+from shared.bus.registry import RegistryConfig, open_bucket
+from shared.bus.registry_watcher import RegistryChange, RegistryWatcher
 from shared.messages import Subjects, WorkerRecord
 
 HEARTBEAT_S = 0.2

@@ -33,7 +33,8 @@ from services.router.pairing import NoWorkerError, RoundRobinPolicy
 from services.router.pressure_pairing import PressurePolicy
 from services.router.streams import RequestStream
 from shared.bus import Bus, BusConfig
-from shared.bus.registry import RegistryConfig, WorkerRegistration
+from shared.bus.registration import WorkerRegistration
+from shared.bus.registry import RegistryConfig
 from shared.messages import (
     CancelRequest,
     PrefillRequest,

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from shared.transfer import KVFingerprint, TransferRejected, TransferTicket
 from shared.transfer.protocol import plan_segments, segments_valid
-from shared.transfer.ucx_node import as_buffer
+from shared.transfer.ucx_memory import as_buffer
 
 PEER = Path(__file__).parent / "support" / "transfer_peer.py"
 SECRET = "5e" * 32
@@ -159,7 +159,8 @@ def test_fingerprint_digest_covers_every_field() -> None:
 
 
 def test_node_config_names_a_cuda_device_or_none() -> None:
-    from shared.transfer.ucx_node import TransferNodeConfig, bind_cuda_device
+    from shared.transfer.ucx_memory import bind_cuda_device
+    from shared.transfer.ucx_node import TransferNodeConfig
 
     assert TransferNodeConfig(cuda_device="cuda:1").cuda_device == "cuda:1"
     with pytest.raises(ValueError, match="cuda_device"):

@@ -27,7 +27,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from services.common.cluster import Cluster, ClusterSpec
+from services.common.cluster import Cluster
+from services.common.cluster_spec import ClusterSpec
 from services.common.nats_auth import permissions
 from services.common.nats_server import find_nats_server_binary, free_port
 from shared.bus import Bus, BusConfig, BusConnectionError

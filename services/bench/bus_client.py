@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from shared.bus import Bus
 from shared.bus.config import BusConfig
-from shared.bus.registry import RegistryWatcher
+from shared.bus.registry_watcher import RegistryWatcher
 from shared.messages import (
     Ack,
     CancelRequest,

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.loadgen import PlannedRequest, run_open_loop, summarize
-from services.common.cluster import Cluster, ClusterSpec
+from services.common.cluster import Cluster
+from services.common.cluster_spec import ClusterSpec
 from services.common.nats_server import free_port
 from shared.policy.config import PolicyConfig
 from shared.policy.roles import DECODE

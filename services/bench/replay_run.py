@@ -27,7 +27,8 @@ from services.bench.replay_metrics import (
     record_json,
 )
 from services.bench.replay_telemetry import TelemetrySampler, to_trace_time
-from services.common.cluster import Cluster, ClusterSpec
+from services.common.cluster import Cluster
+from services.common.cluster_spec import ClusterSpec
 from services.common.nats_server import free_port
 
 FLUIDTOKEN = {

@@ -72,7 +72,8 @@ from services.bench.serve_samples import (
     bench_profile,
     prompt_of,
 )
-from services.common.cluster import Cluster, ClusterSpec, pick_port
+from services.common.cluster import Cluster, pick_port
+from services.common.cluster_spec import ClusterSpec
 from services.common.cpus import CpuSetError, check_cpus, parse_cpus, split_control_workers
 from services.common.logging import configure_logging
 from services.common.procs import ChildProcess, stop_all

@@ -32,7 +32,8 @@ from typing import Any
 from services.bench.loadgen import PlannedRequest, run_open_loop, summarize
 from services.bench.shift_analysis import analyse
 from services.bench.shift_observer import Observer
-from services.common.cluster import Cluster, ClusterSpec
+from services.common.cluster import Cluster
+from services.common.cluster_spec import ClusterSpec
 from services.common.nats_server import free_port
 from shared.policy.config import PolicyConfig
 

@@ -32,10 +32,11 @@ from typing import Any
 import psutil
 
 from services.bench.loadgen import PlannedRequest, RequestRecord, run_open_loop
-from services.common.cluster import Cluster, ClusterSpec, pick_port
+from services.common.cluster import Cluster, pick_port
+from services.common.cluster_spec import ClusterSpec
 from services.common.logging import configure_logging
 from shared.bus import Bus, BusConfig
-from shared.bus.registry import RegistryWatcher
+from shared.bus.registry_watcher import RegistryWatcher
 from shared.messages import Subjects, SwitchCommand, SwitchReply, WorkerTelemetry
 from shared.policy.roles import ACTIVE, DECODE, PREFILL, ROLES, Role
 

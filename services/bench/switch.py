@@ -42,7 +42,9 @@ from typing import Any
 
 from services.bench.bus_client import BenchBusClient
 from services.bench.switch_scenarios import Setup, d2p_under_load, p2d_under_load
-from services.common.cluster import WORKER_READY, Cluster, ClusterSpec
+from services.common.cluster import Cluster
+from services.common.cluster_commands import WORKER_READY
+from services.common.cluster_spec import ClusterSpec
 from services.common.logging import configure_logging
 from services.common.procs import ChildProcess
 

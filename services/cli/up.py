@@ -21,7 +21,8 @@ import threading
 from pathlib import Path
 
 from services.cli.up_state import remove_state, state_path, write_state
-from services.common.cluster import Cluster, ClusterSpec, ClusterStartError
+from services.common.cluster import Cluster, ClusterStartError
+from services.common.cluster_spec import ClusterSpec
 from services.common.cpus import parse_cpus
 from services.common.nats_server import NatsServerNotFoundError
 

@@ -13,7 +13,8 @@ Used by ``fluidpd up``, the end-to-end tests and the benchmarks::
 
 Blocking API (call it from a thread, e.g. ``asyncio.to_thread``, inside async code).
 Every child runs in its own process group; ``stop()`` ends them all (SIGTERM, grace,
-SIGKILL) and nats-server last, so workers can deregister on the way out.
+SIGKILL) and nats-server last, so workers can deregister on the way out. What to start is a
+``ClusterSpec`` (cluster_spec.py); each child's command line comes from cluster_commands.py.
 """
 
 from __future__ import annotations
@@ -22,16 +23,22 @@ import os
 import secrets
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.cpus import check_cpus
+from services.common.cluster_commands import (
+    CONTROLLER_READY,
+    ROUTER_READY,
+    WORKER_READY,
+    controller_argv,
+    router_argv,
+    worker_argv,
+)
+from services.common.cluster_spec import ClusterSpec
 from services.common.nats_auth import (
     NatsUser,
     can_authenticate,
@@ -44,78 +51,11 @@ from services.common.nats_auth import (
 from services.common.nats_server import READY_LINE, LocalNatsServer, free_port
 from services.common.procs import ChildProcess, LogSink, stop_all
 from shared.messages.subjects import Subjects
-from shared.policy.roles import DECODE, PREFILL, Role
-
-WORKER_READY = "worker_ready"
-ROUTER_READY = "router_ready"
-CONTROLLER_READY = "controller_ready"
+from shared.policy.roles import Role
 
 
 class ClusterStartError(RuntimeError):
     """A child exited before the cluster was ready, or readiness timed out."""
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """What to start. Immutable; validated on construction (raises ValueError).
-
-    ``nats_url`` None starts a private nats-server. ``worker_args`` / ``router_args`` /
-    ``controller_args`` are appended to the respective command lines; ``env`` is added to
-    every child's environment. ``log_dir`` writes ``<name>.log`` files; ``log_to_terminal``
-    prints every line prefixed with ``[name]``. ``control_cpus`` pins nats-server, the
-    router and the controller, ``worker_cpus`` the workers (services/common/cpus.py;
-    ``()``: not pinned); CPUs this process may not use raise CpuSetError (a ValueError).
-    ``nats_auth`` (private nats-server only): generate least-privilege users
-    (services/common/nats_auth.py) and give each child its own credentials.
-    """
-
-    prefill: int = 1
-    decode: int = 1
-    model: str = "smollm2-135m"
-    engine: str = "torch"
-    port: int = 8000
-    host: str = "127.0.0.1"
-    nats_url: str | None = None
-    profile: str = ""
-    threads: int = 0
-    time_scale: float | None = None
-    log_json: bool = False
-    auto_policy: bool = True
-    policy_config: str = ""
-    worker_args: tuple[str, ...] = ()
-    router_args: tuple[str, ...] = ()
-    controller_args: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    log_dir: Path | None = None
-    log_to_terminal: bool = False
-    with_controller: bool = True
-    with_router: bool = True
-    die_with_parent: bool = False
-    stop_grace_s: float = 8.0
-    control_cpus: tuple[int, ...] = ()
-    worker_cpus: tuple[int, ...] = ()
-    python: str = field(default_factory=lambda: sys.executable)
-    nats_auth: bool = False
-
-    def __post_init__(self) -> None:
-        if self.prefill < 0 or self.decode < 0 or self.prefill + self.decode < 1:
-            raise ValueError("need at least one worker (prefill, decode >= 0)")
-        if self.engine not in ("torch", "emulated"):
-            raise ValueError("engine must be 'torch' or 'emulated'")
-        if not 0 < self.port < 65536:
-            raise ValueError("port must be in 1..65535")
-        if self.stop_grace_s < 0:
-            raise ValueError("stop_grace_s must be >= 0")
-        check_cpus(self.control_cpus, "control plane CPUs")
-        check_cpus(self.worker_cpus, "worker CPUs")
-        if self.nats_auth and self.nats_url:
-            raise ValueError("nats_auth generates users for the private nats-server only")
-
-    def worker_ids(self) -> list[tuple[str, Role]]:
-        """(worker id, role) for every worker: p0..p{N-1}, d0..d{M-1}."""
-        return [(f"p{i}", PREFILL) for i in range(self.prefill)] + [
-            (f"d{i}", DECODE) for i in range(self.decode)
-        ]
 
 
 class Cluster:
@@ -210,23 +150,10 @@ class Cluster:
         spec = self.spec
         if not spec.nats_url:
             self._start_nats(time.monotonic() + nats_timeout_s)
-        py = spec.python
-        log_flags = ["--log-json"] if spec.log_json else []
         if spec.with_controller:
-            argv = [
-                py,
-                "-m",
-                "services.controller",
-                "--nats",
-                self.nats_url,
-                "--auto" if spec.auto_policy else "--no-auto",
-                *log_flags,
-            ]
-            if spec.policy_config:
-                argv += ["--policy-config", spec.policy_config]
             self.controller = self._child(
                 "controller",
-                argv + list(spec.controller_args),
+                controller_argv(spec, self.nats_url),
                 CONTROLLER_READY,
                 spec.control_cpus,
                 nats_user="controller",
@@ -234,23 +161,12 @@ class Cluster:
         for worker_id, role in spec.worker_ids():
             self.add_worker(worker_id, role)
         if spec.with_router:
-            argv = [
-                py,
-                "-m",
-                "services.router",
-                "--nats",
-                self.nats_url,
-                "--model",
-                spec.model,
-                "--host",
-                spec.host,
-                "--port",
-                str(spec.port),
-                *log_flags,
-                *spec.router_args,
-            ]
             self.router = self._child(
-                "router", argv, ROUTER_READY, spec.control_cpus, nats_user="router"
+                "router",
+                router_argv(spec, self.nats_url),
+                ROUTER_READY,
+                spec.control_cpus,
+                nats_user="router",
             )
 
     def add_worker(self, worker_id: str, role: Role) -> ChildProcess:
@@ -259,27 +175,14 @@ class Cluster:
         readiness; ``stop()`` stops it too. Mutates ``self.workers`` (and, with NATS auth,
         adds the worker's user to nats-server first, by a config reload). Raises OSError, or
         ClusterStartError when nats-server does not take the new user."""
-        spec = self.spec
-        argv = [spec.python, "-m", f"services.{role}_worker", "--id", worker_id]
-        argv += ["--nats", self.nats_url, "--model", spec.model, "--engine", spec.engine]
-        argv += ["--log-json"] if spec.log_json else []
-        if spec.profile:
-            argv += ["--profile", spec.profile]
-        if spec.threads:
-            argv += ["--threads", str(spec.threads)]
-        if spec.time_scale is not None:
-            argv += ["--time-scale", str(spec.time_scale)]
-        if spec.policy_config:
-            argv += ["--policy-config", spec.policy_config]
         user = None
         if self._users:
             user = worker_user(worker_id)
             if user not in self._users:  # a replacement with a new id: tell nats-server
                 self._users[user] = worker_user_for(Subjects(), worker_id)
                 self._reload_nats()
-        child = self._child(
-            worker_id, argv + list(spec.worker_args), WORKER_READY, spec.worker_cpus, user
-        )
+        argv = worker_argv(self.spec, worker_id, role, self.nats_url)
+        child = self._child(worker_id, argv, WORKER_READY, self.spec.worker_cpus, user)
         self.workers[worker_id] = child
         return child
 

@@ -28,7 +28,8 @@ from services.controller.leases import SwitchLeases
 from services.controller.metrics import ControllerMetrics
 from services.controller.status import WorkerBook
 from shared.bus import Bus, BusError, RemoteError
-from shared.bus.registry import RegistryChange, RegistryConfig, RegistryWatcher
+from shared.bus.registry import RegistryConfig
+from shared.bus.registry_watcher import RegistryChange, RegistryWatcher
 from shared.messages import (
     ControllerDecision,
     PolicyCommand,

@@ -36,7 +36,7 @@ from services.router.openai_api import (
 )
 from services.router.pressure_pairing import PressurePolicy, make_policy
 from shared.bus import Bus
-from shared.bus.registry import RegistryWatcher
+from shared.bus.registry_watcher import RegistryWatcher
 from shared.messages import Subjects, TokenBatch, WorkerRecord, WorkerTelemetry
 from shared.policy.admission import SheddingConfig
 from shared.policy.roles import ACTIVE, DECODE, PREFILL, ROLES, Role

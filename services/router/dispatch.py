@@ -23,7 +23,7 @@ from services.router.openai_api import GenerationRequest
 from services.router.pairing import NoWorkerError, PairingPolicy
 from services.router.streams import RequestStream
 from shared.bus import Bus, BusError, RemoteError
-from shared.bus.registry import RegistryChange
+from shared.bus.registry_watcher import RegistryChange
 from shared.messages import (
     Ack,
     CancelRequest,

@@ -15,7 +15,7 @@ import time
 from services.worker.decode_choice import DecodeView, pick_with_capacity
 from services.worker.prefill.prefill_job import PrefillJob
 from shared.bus import Bus, ServeHandle
-from shared.bus.registry import RegistryWatcher
+from shared.bus.registry_watcher import RegistryWatcher
 from shared.messages import Subjects, WorkerRecord, WorkerTelemetry
 from shared.policy.fluidtoken import StealBudget
 from shared.policy.roles import ACTIVE, DECODE, PREFILL, Role

@@ -43,7 +43,9 @@ from services.worker.telemetry import Telemetry
 from services.worker.token_stream import TokenFlusher, TokenStreamer
 from services.worker.transfer_endpoints import open_transfer
 from shared.bus import Bus
-from shared.bus.registry import RegistryConfig, RegistryWatcher, WorkerRegistration
+from shared.bus.registration import WorkerRegistration
+from shared.bus.registry import RegistryConfig
+from shared.bus.registry_watcher import RegistryWatcher
 from shared.engine.interface import StepEngine
 from shared.messages import (
     AdmitRequest,

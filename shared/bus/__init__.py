@@ -1,6 +1,6 @@
 """Typed NATS bus (request/reply, streams, handler wrapper) and the worker registry."""
 
-from shared.bus.bus import Bus, ServeHandle
+from shared.bus.bus import Bus
 from shared.bus.config import BusConfig
 from shared.bus.errors import (
     BusConnectionError,
@@ -10,6 +10,7 @@ from shared.bus.errors import (
     RemoteError,
 )
 from shared.bus.metrics import BusMetrics
+from shared.bus.serve_handle import ServeHandle
 
 __all__ = [
     "Bus",

@@ -24,11 +24,11 @@ import nats.errors
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from prometheus_client import CollectorRegistry
 
 from shared.bus.config import BusConfig
+from shared.bus.connect import client_options, connect_first, is_auth_refusal
 from shared.bus.errors import (
     BusConnectionError,
     BusNoRespondersError,
@@ -37,6 +37,7 @@ from shared.bus.errors import (
 )
 from shared.bus.handler import Handler, handle_request, handle_stream
 from shared.bus.metrics import BusMetrics
+from shared.bus.serve_handle import ServeHandle
 from shared.messages import (
     MAX_MESSAGE_BYTES,
     ErrorReply,
@@ -54,36 +55,6 @@ S = TypeVar("S", bound=StreamMessage)
 ReconnectListener = Callable[[], Awaitable[None]]
 
 log = structlog.get_logger("fluidpd.bus")
-
-
-class ServeHandle:
-    """A running handler subscription; ``stop()`` unsubscribes (idempotent) and leaves
-    ``owned_by`` (the bus's list of live handles, so subscriptions stopped early — a role
-    switch moves one — do not pile up there)."""
-
-    def __init__(
-        self,
-        sub: Subscription,
-        tasks: set[asyncio.Task[None]],
-        owned_by: list[ServeHandle] | None = None,
-    ) -> None:
-        self._sub = sub
-        self._tasks = tasks
-        self._owned_by = owned_by
-        self._stopped = False
-        if owned_by is not None:
-            owned_by.append(self)
-
-    async def stop(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        if self._owned_by is not None:
-            self._owned_by.remove(self)
-        with contextlib.suppress(nats.errors.Error, OSError):  # connection already gone
-            await self._sub.unsubscribe()
-        for task in list(self._tasks):
-            task.cancel()
 
 
 class Bus:
@@ -123,55 +94,14 @@ class Bus:
         Raises BusConnectionError when the deadline passes (bad address, bad credentials).
         """
         cfg = self.config
-        options: dict[str, Any] = dict(
-            servers=list(cfg.servers),
-            name=cfg.name,
-            connect_timeout=cfg.connect_timeout_s,
-            allow_reconnect=True,
-            # -1: nats-py retries forever, the first connect included; we bound the first
-            # connect with initial_connect_deadline_s below.
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=cfg.reconnect_wait_s,
-            ping_interval=cfg.ping_interval_s,
-            max_outstanding_pings=cfg.max_outstanding_pings,
-            drain_timeout=cfg.drain_timeout_s,
-            pending_size=cfg.pending_bytes,
-            user=cfg.user,
-            password=cfg.password,
-            token=cfg.token,
-            nkeys_seed=cfg.nkeys_seed_file,
-            user_credentials=cfg.creds_file,
-            tls=cfg.tls_context(),
-            tls_hostname=cfg.tls_hostname,
-            inbox_prefix=cfg.reply_inbox_prefix(),
+        options = client_options(
+            cfg,
             reconnected_cb=self._on_reconnected,
             disconnected_cb=self._on_disconnected,
             error_cb=self._on_error,
         )
-        nc = Client()
         self._refused = asyncio.get_running_loop().create_future()
-        connect = asyncio.ensure_future(nc.connect(**options))
-        # Not asyncio.wait_for: on 3.11 it can swallow the cancel of nats-py's reconnect loop
-        # and hang; racing explicit futures lets us close the client and move on.
-        done, _ = await asyncio.wait(
-            {connect, self._refused},
-            timeout=cfg.initial_connect_deadline_s,
-            return_when=asyncio.FIRST_COMPLETED,
-        )
-        failure: str | None = None
-        if self._refused in done:
-            failure = f"cannot connect to NATS: the server refused us ({self._refused.result()})"
-        elif connect not in done:
-            failure = f"cannot connect to NATS within {cfg.initial_connect_deadline_s} s"
-        elif connect.exception() is not None:
-            exc = connect.exception()
-            failure = f"cannot connect to NATS ({type(exc).__name__}: {exc})"
-        if failure is not None:
-            await nc.close()  # stops nats-py's reconnect loop
-            connect.cancel()
-            await asyncio.wait({connect}, timeout=2.0)
-            raise BusConnectionError(failure)
-        self._nc = nc
+        self._nc = await connect_first(cfg, options, self._refused)
         server_max = self._nc.max_payload
         if server_max and server_max < self.max_message_bytes:
             log.warning("bus.small_max_payload", max_payload_bytes=server_max)
@@ -241,16 +171,7 @@ class Bus:
         log.info("bus.connection_error", error=type(exc).__name__, detail=text[:200])
         refused = getattr(self, "_refused", None)
         # Bad credentials will not get better by retrying: fail the first connect at once.
-        if (
-            refused is not None
-            and not refused.done()
-            and self._nc is None
-            and (
-                "authorization" in text.lower()
-                or "authentication" in text.lower()
-                or isinstance(exc, nats.errors.AuthorizationError)
-            )
-        ):
+        if refused is not None and not refused.done() and self._nc is None and is_auth_refusal(exc):
             refused.set_result(text[:200])
 
     # --- sending --------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Compiled, strict conversion between messages and their wire form (msgpack/JSON values).
 
 For each message class a plan is built once from its type hints: one converter per field
-that checks a decoded value and returns the Python value. Rules: no coercion (``"1"`` is
-not 1, ``true`` is not 1), ints in [-2**63, 2**64), floats accept ints but not NaN, strings
-must be encodable UTF-8 and within ``max_len``, containers within ``max_len`` items, no
-unknown and no missing required fields. The same converters validate an in-memory
+that checks a decoded value and returns the Python value (single values: wire_values.py).
+Rules: no coercion (``"1"`` is not 1, ``true`` is not 1), ints in [-2**63, 2**64), floats
+accept ints but not NaN, strings must be encodable UTF-8 and within ``max_len``, containers
+within ``max_len`` items, no unknown and no missing required fields. The same converters validate an in-memory
 message before it is sent (:func:`validate`), so we never send what a receiver rejects.
 
 Plans are cached per class (functools.cache: memoisation of a pure function).
@@ -13,10 +13,8 @@ Plans are cached per class (functools.cache: memoisation of a pure function).
 from __future__ import annotations
 
 import base64
-import binascii
 import dataclasses
 import functools
-import math
 import types
 import typing
 from collections.abc import Callable
@@ -25,106 +23,37 @@ from typing import Any, Literal, TypeVar, cast
 
 from shared.messages.schema import (
     DEFAULT_MAX_ITEMS,
-    DEFAULT_MAX_STR_CHARS,
     INT_MAX,
     INT_MIN,
     Message,
     MessageError,
 )
+from shared.messages.wire_values import (
+    Conv,
+    WireInvalid,
+    check_sequence,
+    conv_bool,
+    conv_bytes,
+    conv_float,
+    conv_int,
+    conv_none,
+    str_converter,
+    type_name,
+)
 
 M = TypeVar("M", bound=Message)
-Conv = Callable[[Any, bool], Any]  # (wire value, json_mode) -> Python value
 Enc = Callable[[Any], Any]  # Python value -> wire value
-
-
-class _Invalid(Exception):
-    """Internal: a field failed; ``path`` grows as the error bubbles up."""
-
-    def __init__(self, why: str, path: list[str] | None = None) -> None:
-        super().__init__(why)
-        self.why = why
-        self.path = path or []
-
-
-def _type_name(value: Any) -> str:
-    return type(value).__name__
-
-
-def _int(v: Any, j: bool) -> int:
-    if type(v) is not int:
-        raise _Invalid(f"expected integer, got {_type_name(v)}")
-    if not INT_MIN <= v <= INT_MAX:
-        raise _Invalid("integer out of range")
-    return v
-
-
-def _float(v: Any, j: bool) -> float:
-    if type(v) is float:
-        if math.isnan(v):
-            raise _Invalid("NaN is not allowed")
-        return v
-    if type(v) is int:
-        return float(_int(v, j))
-    raise _Invalid(f"expected number, got {_type_name(v)}")
-
-
-def _bool(v: Any, j: bool) -> bool:
-    if type(v) is not bool:
-        raise _Invalid(f"expected boolean, got {_type_name(v)}")
-    return v
-
-
-def _bytes(v: Any, j: bool) -> bytes:
-    if j and type(v) is str:
-        try:
-            return base64.b64decode(v.encode("ascii"), validate=True)
-        except (binascii.Error, UnicodeEncodeError, ValueError):
-            raise _Invalid("expected base64 string") from None
-    if type(v) is not bytes:
-        raise _Invalid(f"expected bytes, got {_type_name(v)}")
-    return v
-
-
-def _none(v: Any, j: bool) -> None:
-    if v is not None:
-        raise _Invalid("expected null")
-
-
-def _str_conv(max_len: int | None) -> Conv:
-    limit = DEFAULT_MAX_STR_CHARS if max_len is None else max_len
-
-    def conv(v: Any, j: bool) -> str:
-        if type(v) is not str:
-            raise _Invalid(f"expected string, got {_type_name(v)}")
-        if len(v) > limit:
-            raise _Invalid(f"string longer than {limit} characters")
-        if not v.isascii():
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                raise _Invalid("string is not valid unicode") from None
-        return v
-
-    return conv
-
-
-def _sequence(v: Any, limit: int) -> list[Any] | tuple[Any, ...]:
-    if type(v) is not list and type(v) is not tuple:
-        raise _Invalid(f"expected array, got {_type_name(v)}")
-    if len(v) > limit:
-        raise _Invalid(f"more than {limit} items")
-    return cast(list[Any], v)
 
 
 def _compile(hint: Any, max_len: int | None) -> Conv:
     """The converter for one type hint. Raises TypeError for unsupported hints."""
-    simple: dict[Any, Conv] = {int: _int, float: _float, bool: _bool, bytes: _bytes}
+    simple: dict[Any, Conv] = {int: conv_int, float: conv_float, bool: conv_bool, bytes: conv_bytes}
     if hint in simple:
         return simple[hint]
     if hint is type(None):
-        return _none
+        return conv_none
     if hint is str:
-        return _str_conv(max_len)
+        return str_converter(max_len)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is types.UnionType or origin is typing.Union:
         inner = [a for a in args if a is not type(None)]
@@ -139,7 +68,7 @@ def _compile(hint: Any, max_len: int | None) -> Conv:
             for a in allowed:
                 if type(v) is type(a) and v == a:
                     return v
-            raise _Invalid(f"expected one of {list(allowed)!r}")
+            raise WireInvalid(f"expected one of {list(allowed)!r}")
 
         return literal
     limit = DEFAULT_MAX_ITEMS if max_len is None else max_len
@@ -149,11 +78,11 @@ def _compile(hint: Any, max_len: int | None) -> Conv:
         if args[0] is int:  # fast path: token id lists are the big arrays
 
             def int_tuple(v: Any, j: bool) -> tuple[int, ...]:
-                seq = _sequence(v, limit)
+                seq = check_sequence(v, limit)
                 if not all(type(x) is int for x in seq):
-                    raise _Invalid("expected array of integers")
+                    raise WireInvalid("expected array of integers")
                 if seq and not (min(seq) >= INT_MIN and max(seq) <= INT_MAX):
-                    raise _Invalid("integer out of range")
+                    raise WireInvalid("integer out of range")
                 return tuple(seq)
 
             return int_tuple
@@ -161,10 +90,10 @@ def _compile(hint: Any, max_len: int | None) -> Conv:
 
         def tuple_conv(v: Any, j: bool) -> tuple[Any, ...]:
             out = []
-            for i, x in enumerate(_sequence(v, limit)):
+            for i, x in enumerate(check_sequence(v, limit)):
                 try:
                     out.append(item_conv(x, j))
-                except _Invalid as exc:
+                except WireInvalid as exc:
                     exc.path.insert(0, f"[{i}]")
                     raise
             return tuple(out)
@@ -173,18 +102,18 @@ def _compile(hint: Any, max_len: int | None) -> Conv:
     if origin is dict:
         if args[0] is not str:
             raise TypeError(f"only dict[str, X] is supported, got {hint!r}")
-        key_conv, val_conv = _str_conv(None), _compile(args[1], None)
+        key_conv, val_conv = str_converter(None), _compile(args[1], None)
 
         def dict_conv(v: Any, j: bool) -> dict[str, Any]:
             if type(v) is not dict:
-                raise _Invalid(f"expected object, got {_type_name(v)}")
+                raise WireInvalid(f"expected object, got {type_name(v)}")
             if len(v) > limit:
-                raise _Invalid(f"more than {limit} entries")
+                raise WireInvalid(f"more than {limit} entries")
             out = {}
             for k, x in v.items():
                 try:
                     out[key_conv(k, j)] = val_conv(x, j)
-                except _Invalid as exc:
+                except WireInvalid as exc:
                     exc.path.insert(0, str(k)[:32])
                     raise
             return out
@@ -265,23 +194,23 @@ def _build(cls: type[M], data: Any, j: bool, nested: bool) -> M:
     plan = _plan(cast(type, cls))
     if nested and plan.as_array and type(data) is list:
         if len(data) > len(plan.fields):
-            raise _Invalid("too many array fields")
+            raise WireInvalid("too many array fields")
         data = {f.wire_name: v for f, v in zip(plan.fields, data, strict=False)}
     elif type(data) is not dict:
-        raise _Invalid(f"expected object, got {_type_name(data)}")
+        raise WireInvalid(f"expected object, got {type_name(data)}")
     if not plan.known.issuperset(data):
         unknown = [repr(k)[:40] for k in data if k not in plan.known][:3]
-        raise _Invalid(f"unknown field(s) {', '.join(unknown)}")
+        raise WireInvalid(f"unknown field(s) {', '.join(unknown)}")
     kwargs: dict[str, Any] = {}
     for f in plan.fields:
         if f.wire_name in data:
             try:
                 kwargs[f.name] = f.conv(data[f.wire_name], j)
-            except _Invalid as exc:
+            except WireInvalid as exc:
                 exc.path.insert(0, f.wire_name)
                 raise
         elif f.required:
-            raise _Invalid("missing", [f.wire_name])
+            raise WireInvalid("missing", [f.wire_name])
     msg = cls(**kwargs)
     msg.check()
     return msg
@@ -291,13 +220,13 @@ def _validate(msg: Message) -> None:
     for f in _plan(cast(type, type(msg))).fields:
         try:
             f.conv(getattr(msg, f.name), False)
-        except _Invalid as exc:
+        except WireInvalid as exc:
             exc.path.insert(0, f.wire_name)
             raise
     msg.check()
 
 
-def _wrap(exc: _Invalid, cls: type[Message]) -> MessageError:
+def _wrap(exc: WireInvalid, cls: type[Message]) -> MessageError:
     where = ".".join(exc.path)
     return MessageError(f"field {where}: {exc.why}" if where else f"{cls.TYPE_TAG}: {exc.why}")
 
@@ -309,7 +238,7 @@ def from_wire(cls: type[M], fields: Any, *, json_mode: bool) -> M:
     """
     try:
         return _build(cls, fields, json_mode, nested=False)
-    except _Invalid as exc:
+    except WireInvalid as exc:
         raise _wrap(exc, cls) from None
     except (TypeError, ValueError) as exc:  # a __post_init__ of a message type
         raise MessageError(f"{cls.TYPE_TAG}: {str(exc)[:200]}") from None
@@ -319,7 +248,7 @@ def validate(msg: Message) -> None:
     """Check an in-memory message exactly as a receiver would. Raises MessageError."""
     try:
         _validate(msg)
-    except _Invalid as exc:
+    except WireInvalid as exc:
         raise _wrap(exc, type(msg)) from None
 
 

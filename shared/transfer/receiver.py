@@ -15,8 +15,8 @@ Segments land directly in ``arena.run_bytes`` views: zero copies on this side, a
 the arena is CUDA memory (UCX writes device memory itself; checksums are computed on the
 device with the algorithm the envelope names, shared/transfer/checksum.py).
 
-What is checked before an install: receive_checks.py; how a failed receive lets go of its
-blocks: inbound.py.
+What is checked before an install: receive_checks.py; how segments land and are checksummed:
+segment_landing.py; how a failed receive lets go of its blocks: inbound.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from typing import Any
 from shared.engine.block_manager import BlockManager
 from shared.engine.kv_arena import KVArena
 from shared.transfer import protocol as proto
-from shared.transfer.checksum import BlockHasher
 from shared.transfer.envelope import (
     Envelope,
     KVFingerprint,
@@ -44,16 +43,15 @@ from shared.transfer.errors import (
     TransferAborted,
     TransferError,
     TransferTimeout,
-    TransportError,
 )
 from shared.transfer.inbound import Inbound, InboundReleaser
-from shared.transfer.landed_hasher import LandedHasher
 from shared.transfer.receive_checks import check_envelope, check_landed
-from shared.transfer.ucx_node import TransferNode, bind_cuda_device
+from shared.transfer.segment_landing import SegmentLanding
+from shared.transfer.ucx_memory import bind_cuda_device
+from shared.transfer.ucx_node import TransferNode
 
 log = logging.getLogger(__name__)
 
-_INLINE_HASH_BYTES = 1 << 20
 _BACKGROUND_POLL_S = 0.002  # how often the (rare) sender abort is looked for
 
 
@@ -99,9 +97,8 @@ class KVReceiver:
         self._secret = secret
         self.verify_checksums = verify_checksums
         self._active: set[int] = set()
-        self._hasher = LandedHasher()  # one thread, started at the first large receive
+        self._landing = SegmentLanding(node, block_manager, arena)
         self._releaser = InboundReleaser(node, block_manager)
-        self._hashers: dict[str, BlockHasher] = {}  # by algorithm, on the arena's device
         bind_cuda_device(arena.tensor.device)  # this (the event loop's) thread posts receives
 
     def prepare(
@@ -209,7 +206,9 @@ class KVReceiver:
         trailer_buf = bytearray(proto.trailer_capacity(n))
         trailer_req = node.post_recv(trailer_buf, proto.tag(tid, proto.TRAILER_TAG))
         st.control.append(trailer_req)
-        collect = asyncio.create_task(self._collect(st, dst, trailer_req))
+        collect = asyncio.create_task(
+            self._landing.collect(st, dst, trailer_req, verify_checksums=self.verify_checksums)
+        )
         st.tasks.append(collect)
         await self._race(st, collect, abort_task, abort_buf)
         got = collect.result()
@@ -264,59 +263,6 @@ class KVReceiver:
             timings_ms=timings,
         )
 
-    async def _collect(self, st: Inbound, dst: tuple[int, ...], trailer_req: Any) -> list[int]:
-        """Post one receive per segment straight into the arena, checksum the segments as
-        they land, then wait for the trailer. Returns the checksums in logical order.
-
-        On one host the copy runs inside UCX calls (posting a receive whose message is
-        already there, or one worker progress that serves several segments back to back),
-        with the GIL released but the event loop blocked: hashing dispatched from the loop
-        would start only after the copy (measured: +8 ms per 256 MiB). So a hash thread
-        follows the segments itself (``LandedHasher``) while the loop keeps copying.
-        Small transfers hash inline: a thread hop costs more than the hash.
-        """
-        loop = asyncio.get_running_loop()
-        assert st.envelope is not None
-        env, request_id = st.envelope, st.ticket.request_id
-        block_nbytes = self.arena.block_nbytes
-        hasher = self._block_hasher(env.checksum_algorithm) if self.verify_checksums else None
-        on_device = self.arena.tensor.device.type != "cpu"
-        views: list[Any] = []
-        follower: asyncio.Future[list[int]] | None = None
-        if hasher is not None and (
-            on_device or env.num_blocks * block_nbytes >= _INLINE_HASH_BYTES
-        ):  # on CUDA always: the hash waits for its kernels, which must not hold the loop
-            follower = self._hasher.follow(
-                st.pinned, views, len(env.segments), hasher, st.hash_stop
-            )
-        for k, (first, count) in enumerate(env.segments):
-            view = self.arena.run_bytes(dst[first], count)
-            views.append(view)  # before its receive: the follower reads both
-            self.bm.begin_receive(request_id)
-            try:
-                req = self.node.post_recv(view, proto.segment_tag(st.ticket.transfer_id, k))
-            except BaseException:
-                self.bm.end_receive(request_id)
-                raise
-            st.pinned.append(req)
-        for req in st.pinned:
-            try:
-                await self.node.wait(req)
-            except TransportError:
-                # On one host this is a failed copy of the sender's memory: it is gone.
-                self.node.note_peer_failure(env.src_address)
-                raise
-            st.segments_done += 1
-        st.marks["segments_landed"] = loop.time()
-        sums: list[int] = []
-        if follower is not None:
-            sums = await follower
-        elif hasher is not None:
-            sums = [c for run in views for c in hasher(run)]
-        st.marks["hashed"] = loop.time()
-        await self.node.wait(trailer_req)
-        return sums
-
     async def _race(
         self, st: Inbound, work: Any, abort_task: asyncio.Future[Any], abort_buf: bytearray
     ) -> None:
@@ -361,13 +307,5 @@ class KVReceiver:
         except Exception:
             log.warning("kv verdict not sent transfer=%x", env.transfer_id)
 
-    def _block_hasher(self, algorithm: str) -> BlockHasher:
-        """The hasher for ``algorithm`` on this arena's device (checked by check_envelope)."""
-        if algorithm not in self._hashers:
-            self._hashers[algorithm] = BlockHasher(
-                algorithm, self.arena.block_nbytes, self.arena.tensor.device
-            )
-        return self._hashers[algorithm]
-
     def close(self) -> None:
-        self._hasher.close()
+        self._landing.close()

@@ -39,7 +39,8 @@ from shared.transfer.envelope import (
     encode_trailer,
 )
 from shared.transfer.errors import TransferError, TransferRejected, TransferTimeout
-from shared.transfer.ucx_node import TransferNode, bind_cuda_device
+from shared.transfer.ucx_memory import bind_cuda_device
+from shared.transfer.ucx_node import TransferNode
 
 log = logging.getLogger(__name__)
 

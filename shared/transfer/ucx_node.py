@@ -15,28 +15,28 @@ Choices (measured on a 2-core host, ucxx 0.52 / UCX 1.21, see docs/transfer.md):
   (``ucp_request_cancel``) through ctypes. Where that symbol is missing, cancelled receives
   stay posted and their blocks stay pinned (never reused) until they drain — safe, leaky.
 
-Exactly one TransferNode may exist per process (ucxx keeps one context per process).
+Exactly one TransferNode may exist per process (ucxx keeps one context per process). The
+buffers and posted requests it handles are in ucx_memory.py; the two ucxx gaps it works
+around (cancel, blocking-mode re-arm) in ucxx_workarounds.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import socket
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from shared.transfer.errors import TransportError
 from shared.transfer.ucx_guard import PeerFailureGuard, apply_env_defaults
+from shared.transfer.ucx_memory import UcxOp, as_buffer, bind_cuda_device
 from shared.transfer.ucx_wait import SAFETY_POLL_S, CompletionWaiters
+from shared.transfer.ucxx_workarounds import find_cancel, rearm_after_events
 
 log = logging.getLogger(__name__)
 
@@ -65,115 +65,6 @@ class TransferNodeConfig:
             raise ValueError("cancel_grace_s must be > 0")
         if self.cuda_device is not None and not self.cuda_device.startswith("cuda"):
             raise ValueError(f"cuda_device must be cuda or cuda:N, got {self.cuda_device!r}")
-
-
-def bind_cuda_device(device: Any) -> None:
-    """Make ``device``'s primary CUDA context current on the calling thread; no-op for a
-    CPU device. Why: UCX's cuda_copy/cuda_ipc work in the calling thread's context, ucxx
-    wants one before it initialises, and a worker creates its CUDA context in its engine
-    thread, not in the event loop's thread that makes every UCX call."""
-    import torch
-
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return
-    torch.cuda.set_device(dev.index if dev.index is not None else torch.cuda.current_device())
-
-
-def _find_cancel() -> Callable[[int], None] | None:
-    try:
-        import libucxx  # the wheel that carries libucxx.so
-
-        path = Path(libucxx.__file__).parent / "lib64" / "libucxx.so"
-        fn = ctypes.CDLL(str(path))._ZN4ucxx7Request6cancelEv
-    except (ImportError, OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p]
-    fn.restype = None
-    return lambda ptr: fn(ptr)
-
-
-def as_buffer(view: Any) -> Any:
-    """A ucxx Array over a CPU tensor/ndarray/bytearray, asserting it is contiguous.
-
-    ucxx sends ``ptr, nbytes`` without checking contiguity, so a strided view would move
-    the wrong bytes: we refuse it here, before every send and receive.
-    """
-    from ucxx._lib.arr import Array
-
-    if hasattr(view, "is_contiguous"):
-        if not view.is_contiguous():
-            raise AssertionError("tensor view for UCX is not contiguous")
-        if view.device.type == "cpu":
-            view = view.numpy()
-    if isinstance(view, np.ndarray) and not view.flags.c_contiguous:
-        raise AssertionError("array for UCX is not contiguous")
-    arr = Array(view)
-    if not arr.contiguous:
-        raise AssertionError("buffer for UCX is not contiguous")
-    return arr
-
-
-@dataclass(eq=False)
-class UcxOp:
-    """A posted UCX request plus the buffer it reads or writes.
-
-    ucxx requests do not keep their buffer alive: dropping the buffer while the request
-    is posted lets UCX read freed memory. Hold the op until it completes.
-    """
-
-    req: Any
-    buffer: Any
-
-    @property
-    def completed(self) -> bool:
-        return bool(self.req.completed)
-
-
-def _rearm_after_events(
-    loop: asyncio.AbstractEventLoop, after_progress: Callable[[], None]
-) -> Callable[[], None] | None:
-    """Make ucxx's blocking progress mode re-arm the UCX worker after each epoll event.
-
-    ucxx 0.52's ``BlockingMode`` progresses the worker when its epoll fd is readable but
-    never re-arms it, so after the first transfer the fd stays readable and the event loop
-    runs the reader on every turn: ~40% of a core per idle worker, and the engine thread
-    waits up to a GIL switch interval (5 ms) after each step (measured: +5 ms per decode
-    iteration and per prefill). Re-arming after the event (as ucx-py does) lets the loop
-    sleep in epoll again. ``after_progress`` runs after every worker progress made here
-    (it wakes the waiters of requests that completed). Returns the function that
-    progresses the worker and re-arms it (call it after posting an operation: local work
-    raises no epoll event); None (nothing changed) for other progress modes.
-    """
-    from ucxx._lib_async import application_context as app
-    from ucxx._lib_async.continuous_ucx_progress import BlockingMode
-
-    task = app.ProgressTasks.get(loop)
-    if not isinstance(task, BlockingMode):
-        return None
-
-    async def arm_worker() -> None:
-        # ucxx's BlockingMode._arm_worker plus ``after_progress``: progress until UCX
-        # agrees to arm, letting every ready task run in between (sock_recv on the closed
-        # socket pair returns once the loop has polled for I/O).
-        while True:
-            task.last_progress_time = time.monotonic()
-            task.worker.progress()
-            after_progress()
-            await loop.sock_recv(task.rsock, 1)
-            if task.worker.arm():
-                return
-
-    def on_event() -> None:
-        task.worker.progress()
-        after_progress()
-        if task.arm_task is None or task.arm_task.done():
-            task.arm_task = loop.create_task(arm_worker())
-
-    fd = task.worker.epoll_file_descriptor
-    loop.remove_reader(fd)
-    loop.add_reader(fd, on_event)
-    return on_event
 
 
 class TransferNode:
@@ -208,8 +99,8 @@ class TransferNode:
             raise TransportError(f"one TransferNode per process: {exc}") from None
         # ucxx keeps its context private; the worker is what we post requests on.
         self._ctx = ucxx.core._get_ctx()
-        self._kick = _rearm_after_events(asyncio.get_running_loop(), self._waiters.wake_completed)
-        self._cancel_fn = _find_cancel()  # after ucxx loaded libucp, which libucxx needs
+        self._kick = rearm_after_events(asyncio.get_running_loop(), self._waiters.wake_completed)
+        self._cancel_fn = find_cancel()  # after ucxx loaded libucp, which libucxx needs
         if not self._guard.install():
             log.warning("UCS log hook not installed: a peer dying mid-copy may abort us")
         if self._cancel_fn is None:

@@ -28,7 +28,8 @@ from typing import Any
 
 import aiohttp
 
-from services.common.cluster import Cluster, ClusterSpec, pick_port
+from services.common.cluster import Cluster, pick_port
+from services.common.cluster_spec import ClusterSpec
 from tests.support.workers import REPO, BusClient, worker_env
 from tests.support.workers import wait_healthy as wait_router_healthy
 
