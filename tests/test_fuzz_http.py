@@ -27,11 +27,16 @@ FUZZ = settings(max_examples=30, deadline=None, suppress_health_check=list(Healt
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     logs: Path = tmp_path_factory.mktemp("fuzz-http-logs")
-    # Input handling is under test, not capacity: bodies without max_tokens decode up to the
-    # context limit, and two of them on one decode worker once exhausted a 256-block pool
-    # (an in-band kv_capacity_exhausted, correct but not what this test is about).
+    # Input handling is under test, not capacity or speed: bodies without max_tokens decode up
+    # to the context limit, so the workers serve a short context (256 tokens). At tiny's full
+    # context two of them once exhausted a 256-block pool (an in-band kv_capacity_exhausted),
+    # and on a loaded CI host one took past the router's 20 s timeout (a 504).
     with fault_cluster(
-        logs, num_kv_blocks=1024, time_scale=0.05, router_args=("--request-timeout-s", "20")
+        logs,
+        num_kv_blocks=1024,
+        time_scale=0.05,
+        extra_worker_args=("--max-model-len", "256"),
+        router_args=("--request-timeout-s", "20"),
     ) as c:
         yield c
 
@@ -153,7 +158,7 @@ def test_random_bytes_and_invalid_utf8(cluster: Cluster, raw: bytes, path: str) 
 
 def test_oversized_prompts_and_bodies(cluster: Cluster) -> None:
     url = cluster.router_url + "/v1/completions"
-    # Longer than the context (32768 tokens): 400 context_length_exceeded.
+    # Longer than the context (the workers serve 256 tokens): 400 context_length_exceeded.
     too_long = {"model": "tiny", "prompt": [5] * 40000, "max_tokens": 4}
     status, headers, raw = post(url, json.dumps(too_long).encode())
     check_answer(status, headers, raw)
