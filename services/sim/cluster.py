@@ -9,16 +9,20 @@ What is modelled, mirroring the real services (file names are the ones mirrored)
   multiple of S_TTFT is rejected at the door (``rejected``, not attained), and so is every
   request while each Active decode worker has ``decode_backlog_batches`` × ``max_num_seqs``
   requests waiting for its admission (the live router's decode-backlog shedding).
-* worker/prefill_role.py — FIFO queue, one request per prefill iteration; a request whose
-  TTFT deadline passed by more than the expiry margin is dropped when it reaches the head
-  (``expired``). At the head:
-  Algorithm 1 (``select_steal_ratios``, FluidToken configs) over the queue with the freshest
-  steal budgets, suffix = min(plan, L − 1); then admission at the paired decode worker,
-  retried every 20 ms (batch full) / 50 ms (no blocks) while the request holds the head,
-  given up after max(admit_timeout, remaining TTFT budget) (the request fails); then the
-  prefix computes for T_pre(L_pfx) (eq. 2); the first token is streamed at once when nothing
-  was stolen; the prefix KV leaves over the worker's link (serialised) at
-  ``kv_bytes_per_token × L_pfx / bandwidth`` while the next prefill starts.
+* worker/prefill/prefill_role.py — FIFO queue, one request per prefill iteration; a request
+  whose TTFT deadline passed by more than the expiry margin is dropped when it reaches the
+  head (``expired``); the head waits while earlier prompts hold the blocks it needs. At the
+  head: Algorithm 1 (``select_steal_ratios``, FluidToken configs) over the queue with the
+  freshest steal budgets, suffix = min(plan, L − 1). A proposed split asks the paired decode
+  worker first; otherwise (or when it refuses for capacity) the whole prompt computes for
+  T_pre(L) (eq. 2) while admission is asked beside it. A refused request **waits** with its
+  prompt KV held here (part of the worker's block pool) while the next prefill starts
+  (prefill/admission.py): retried every 20 ms (batch full) / 50 ms (no blocks), re-paired
+  with an Active decode worker that has room (``decode_with_capacity``) or when its worker
+  left the decode role, failed after ``decode_wait_s`` of waiting. The first token is
+  streamed once the prefill ends when nothing was stolen; the prefix KV leaves over the
+  worker's link (serialised) at ``kv_bytes_per_token × L_pfx / bandwidth`` once both the
+  prefill and the admission are done; its blocks are freed when it arrives.
 * worker/decode_role.py — admission reserves blocks for pressure.admission_kv_tokens (the
   prompt plus ``decode_reserve_tokens`` of output, within the context; the worker's
   formula) and counts toward ``max_num_seqs``; it re-checks a planned steal against
@@ -33,13 +37,9 @@ What is modelled, mirroring the real services (file names are the ones mirrored)
   allocates it on demand; with ~400k KV tokens and <= 64 sequences the pool is not the
   binding limit), while C_active counts every token.
 
-Deviations (documented, deliberate): a queued request whose paired decode worker has left
-the Active decode role (D→P drain) is re-paired to another decode worker when it reaches
-the head; the real prefill worker keeps retrying the original worker until it gives up.
-Decode admission is asked before the prefill, so a request the decode side refuses blocks
-its prefill worker's queue head; the real prefill worker computes it, keeps its KV while it
-waits and goes on with the next prompt. So here at most one request per prefill worker waits
-for decode admission (what DPI_adm and the router's decode-backlog shedding count).
+Deviation (documented, deliberate): admission answers at once (no NATS round trip), and a
+re-pair for capacity reads the decode workers' state now (the live worker reads telemetry
+at most a tick old) with the waiting counts of the last tick.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ from shared.policy.pressure import (
     suffix_chunk_tokens,
     tpot_slack_s,
 )
-from shared.policy.roles import ACTIVE, DECODE, DRAIN, PREFILL
+from shared.policy.roles import DECODE, DRAIN, PREFILL
 from shared.trace_request import TraceRequest
 
 
@@ -221,17 +221,14 @@ class Simulation(ControlPlane):
 
     def _decode_backlog(self) -> float | None:
         """The live router's decode backlog now (``AdmissionGate.decode_backlog``): the
-        smallest count of requests waiting for admission (prefill heads retrying it) over
+        smallest count of requests waiting for admission (refused, retried) over
         the Active decode workers, in batches of ``max_num_seqs``. None when shedding on it
-        is off (saves the count). With one waiting head per prefill worker at most, it
-        reaches 1 batch (64) only on very large clusters: the real prefill worker computes
-        on while its computed prompts wait, so it can hold many (module doc: deviation)."""
+        is off (saves the count)."""
         if self.shed.decode_backlog_batches <= 0:
             return None
         waiting = [0] * len(self.workers)
         for w in self.workers:
-            r = w.current
-            if r is not None and not r.blocks and r.dw >= 0:
+            for r in w.adm_waiting.values():
                 waiting[r.dw] += 1
         seqs = max(1, self.cfg.max_num_seqs)
         return min(
@@ -254,86 +251,174 @@ class Simulation(ControlPlane):
 
     # ---------------------------------------------------------------- prefill
     def prefill_next(self, w: SimWorker) -> None:
-        """Start the head of ``w``'s queue if ``w`` is idle (the prefill loop's wakeup)."""
+        """Start the head of ``w``'s queue if ``w`` is idle (the prefill loop's wakeup). The
+        head waits while earlier prompts hold the blocks it needs (PrefillRole.run)."""
         timeout = self.cfg.queue_timeout_s
+        bs = self.cfg.block_size
         while w.current is None and w.queue:
-            r = w.queue.popleft()
+            r = w.queue[0]
             if timeout and self.now - r.arrival_s > timeout:
+                w.queue.popleft()
                 self.fail(r)  # aborted before its prefill started (no work done)
                 continue
             if is_expired(r.arrival_s + self.policy.ttft_s, self.now, self.shed):
+                w.queue.popleft()
                 r.expired = True
                 self.fail(r)
                 continue
+            if w.free_blocks < -(-r.prompt // bs) and w.local_blocks:
+                return  # woken when a held prompt's blocks are freed (_free_local)
+            w.queue.popleft()
             w.current = r
-            self._try_admit(w, r, True)
+            self._start_prefill(w, r)
         if w.current is None and w.state == DRAIN:
             self.check_drain(w)
 
-    def _prefill_retry(self, w: SimWorker, r: SimRequest) -> None:
-        if w.current is r:
-            self._try_admit(w, r, False)
-            if w.current is None:
-                self.prefill_next(w)
-
-    def _try_admit(self, w: SimWorker, r: SimRequest, first: bool) -> None:
+    def _start_prefill(self, w: SimWorker, r: SimRequest) -> None:
+        """PrefillRole._serve: a proposed split asks admission first (its answer decides
+        what is computed; a capacity refusal runs the prompt unsplit); otherwise the prefill
+        starts at once and admission is asked beside it (a refusal: the request waits)."""
         cfg, now = self.cfg, self.now
-        d = self.workers[r.dw]
-        if not (d.role == DECODE and d.state == ACTIVE):
-            d = self.router.pick(DECODE, req=r)  # re-pair (module doc: deviation)
+        self._ensure_decode_pair(r)
+        sfx = 0
+        if cfg.fluidtoken and self.budgets:
+            view = [r, *islice(w.queue, cfg.policy_queue_window - 1)]
+            plan = select_steal_ratios(
+                cast("list[QueuedRequest]", view), self.budgets, self.profile, self.policy, now
+            )
+            sfx = min(plan.stolen_tokens.get(0, 0), r.prompt - 1)
+        admitted = sfx > 0 and self._admit(self.workers[r.dw], r, sfx) == 0.0
+        prefix = r.prefix if admitted else r.prompt
+        r.local_blocks = -(-prefix // cfg.block_size)
+        w.local_blocks += r.local_blocks
+        self.push(now + self.profile.prefill_time_s(prefix), E_PREFILL_DONE, w, r)
+        if not admitted:
+            self._ask_admission(w, r)
+
+    def _ensure_decode_pair(self, r: SimRequest) -> None:
+        """Re-pair ``r`` when its decode worker left the Active decode role (a draining
+        worker answers retry_after_ms 0: admission.py re-pairs). Mutates ``r.dw``."""
+        if not self.workers[r.dw].is_active(DECODE):
+            d = self.router.pick(DECODE, req=r)
             r.dw, r.decode_id = d.index, d.wid
-        if first:
-            r.give_up_s = now + max(cfg.admit_timeout_s, r.arrival_s + self.policy.ttft_s - now)
-            sfx = 0
-            if cfg.fluidtoken and self.budgets:
-                view = [r, *islice(w.queue, cfg.policy_queue_window - 1)]
-                plan = select_steal_ratios(
-                    cast("list[QueuedRequest]", view), self.budgets, self.profile, self.policy, now
-                )
-                sfx = min(plan.stolen_tokens.get(0, 0), r.prompt - 1)
-            r.planned_suffix = sfx
+
+    def _admit(self, d: SimWorker, r: SimRequest, sfx: int) -> float:
+        """DecodeRole.admit at ``d``: 0.0 once it reserved for ``r`` (sets r.blocks,
+        r.suffix, r.prefix; a steal over its allowance is refused, not the request), else
+        the retry period of its refusal."""
+        cfg = self.cfg
         if not d.admitting:
-            retry = cfg.retry_not_admitting_s
-        elif d.requests >= cfg.max_num_seqs:
-            retry = cfg.retry_batch_full_s
-        else:
-            sfx = r.planned_suffix
-            if sfx > 0 and sfx > self.steal_allowance(d, r.prompt - sfx):
-                sfx = 0  # DecodeRole.admit refuses the steal, not the request
-                self.refused_steals += 1
-            bs = cfg.block_size
-            kv = admission_kv_tokens(r.prompt, r.output, cfg.decode_reserve_tokens, self._max_ctx)
-            blocks = -(-kv // bs)
-            if d.free_blocks >= blocks:
-                d.reserved_blocks += blocks
-                d.requests += 1
-                d.receiving += 1
-                r.blocks, r.suffix, r.prefix = blocks, sfx, r.prompt - sfx
-                d.suffix_backlog += sfx
-                self.push(now + self.profile.prefill_time_s(r.prefix), E_PREFILL_DONE, w, r)
+            return cfg.retry_not_admitting_s
+        if d.requests >= cfg.max_num_seqs:
+            return cfg.retry_batch_full_s
+        if sfx > 0 and sfx > self.steal_allowance(d, r.prompt - sfx):
+            sfx = 0
+            self.refused_steals += 1
+        kv = admission_kv_tokens(r.prompt, r.output, cfg.decode_reserve_tokens, self._max_ctx)
+        blocks = -(-kv // cfg.block_size)
+        if d.free_blocks < blocks:
+            return cfg.retry_no_blocks_s
+        d.reserved_blocks += blocks
+        d.requests += 1
+        d.receiving += 1
+        r.blocks, r.suffix, r.prefix = blocks, sfx, r.prompt - sfx
+        d.suffix_backlog += sfx
+        return 0.0
+
+    def _ask_admission(self, w: SimWorker, r: SimRequest) -> None:
+        """One round of admission.py's loop for unsplit ``r``: admitted (exported now if
+        computed), or waiting (counted in ``w.adm_waiting`` from the first refusal),
+        re-paired to a decode worker with room (``_with_capacity``), given up after
+        ``decode_wait_s`` of waiting (failed, its KV freed), or retried later."""
+        now = self.now
+        for _ in range(2):  # the first answer, and one more after a re-pair for capacity
+            self._ensure_decode_pair(r)
+            d = self.workers[r.dw]
+            retry_s = self._admit(d, r, 0)
+            if retry_s == 0.0:
+                if w.adm_waiting.pop(r.idx, None) is not None:
+                    r.wait_since = -1.0
+                if r.computed:
+                    self._export(w, r)
+                    if w.state == DRAIN:
+                        self.check_drain(w)
                 return
-            retry = cfg.retry_no_blocks_s
-        if now > r.give_up_s:
-            w.current = None
-            self.fail(r)
-            return
-        self.push(now + retry, E_PREFILL_RETRY, w, r)
+            if r.wait_since < 0:
+                r.wait_since = now
+                w.adm_waiting[r.idx] = r
+            if now - r.wait_since > self.cfg.decode_wait_s:
+                del w.adm_waiting[r.idx]
+                self.fail(r)  # decode_wait_timeout (in-band after its first token)
+                if r.computed:
+                    self._free_local(w, r)
+                    if w.state == DRAIN:
+                        self.check_drain(w)
+                return
+            other = self._with_capacity(d, r)
+            if other is None:
+                break
+            r.dw, r.decode_id = other.index, other.wid
+        self.push(now + retry_s, E_PREFILL_RETRY, w, r)
+
+    def _with_capacity(self, d: SimWorker, r: SimRequest) -> SimWorker | None:
+        """decode_choice.pick_with_capacity: an Active decode worker other than ``d`` with
+        a slot and the blocks ``r`` reserves beyond those its waiting requests would take;
+        the one with the most free blocks. Reads the state now (the live worker reads
+        telemetry at most a tick old) and the waiting counts of the last tick."""
+        cfg = self.cfg
+        bs = cfg.block_size
+        kv = admission_kv_tokens(r.prompt, r.output, cfg.decode_reserve_tokens, self._max_ctx)
+        need = -(-kv // bs)
+        best: SimWorker | None = None
+        for x in self.workers:
+            if x is d or not x.is_active(DECODE):
+                continue
+            if cfg.max_num_seqs - x.requests - x.waiting_tel <= 0:
+                continue
+            if x.free_blocks - -(-x.waiting_kv_tel // bs) < need:
+                continue
+            if best is None or x.free_blocks > best.free_blocks:
+                best = x
+        return best
+
+    def _prefill_retry(self, w: SimWorker, r: SimRequest) -> None:
+        if not r.done and r.blocks == 0:
+            self._ask_admission(w, r)
 
     def _prefill_done(self, w: SimWorker, r: SimRequest) -> None:
         now = self.now
         w.current = None
-        if r.suffix == 0:
-            r.t_first = now  # first token sampled and streamed by the prefill worker
+        r.computed = True
+        if r.done:  # gave up waiting for decode while computing: free the prompt's KV
+            self._free_local(w, r)
         else:
-            self.split_requests += 1
-        start = now if now > w.link_free_s else w.link_free_s
+            if r.suffix == 0:
+                r.t_first = now  # first token sampled and streamed by the prefill worker
+            else:
+                self.split_requests += 1
+            if r.blocks:
+                self._export(w, r)
+            # else: it waits for decode admission holding its KV; the next prefill starts
+        self.prefill_next(w)
+
+    def _export(self, w: SimWorker, r: SimRequest) -> None:
+        """The prefix KV leaves over ``w``'s serialised link into the reserved blocks."""
+        start = self.now if self.now > w.link_free_s else w.link_free_s
         arrive = start + self.cfg.kv_transfer_overhead_s + r.prefix * self._kv_s_per_token
         w.link_free_s = arrive
         self.push(arrive, E_KV_ARRIVE, self.workers[r.dw], r)
-        self.prefill_next(w)
+
+    def _free_local(self, w: SimWorker, r: SimRequest) -> None:
+        """Free the prompt KV ``r`` holds on prefill worker ``w``; a head waiting for
+        blocks may start."""
+        w.local_blocks -= r.local_blocks
+        r.local_blocks = 0
+        if w.current is None and w.queue:
+            self.prefill_next(w)
 
     # ----------------------------------------------------------------- decode
     def _kv_arrive(self, d: SimWorker, r: SimRequest) -> None:
+        self._free_local(self.workers[r.pw], r)  # the transfer ended: UCX no longer reads
         d.reserved_blocks -= r.blocks
         d.held_blocks += r.blocks
         d.receiving -= 1

@@ -120,21 +120,20 @@ class ControlPlane:
         )
 
     def count_waiting(self) -> None:
-        """Per decode worker, the requests refused for capacity that a prefill worker keeps
-        retrying (a prefill head not admitted yet) and the KV they would reserve: the live
-        decode worker's ``decode_waiting`` (WaitingAdmissions). Mutates ``waiting_*_tel``."""
+        """Per decode worker, the requests refused for capacity that prefill workers keep
+        retrying (``adm_waiting``: computing or computed, not admitted yet) and the KV they
+        would reserve: the live decode worker's ``decode_waiting`` (WaitingAdmissions).
+        Mutates ``waiting_*_tel``."""
         for w in self.workers:
             w.waiting_tel = w.waiting_kv_tel = 0
         cfg = self.cfg
         for w in self.workers:
-            r = w.current
-            if r is None or r.blocks or r.dw < 0:
-                continue
-            d = self.workers[r.dw]
-            d.waiting_tel += 1
-            d.waiting_kv_tel += admission_kv_tokens(
-                r.prompt, r.output, cfg.decode_reserve_tokens, self.profile.max_context_tokens
-            )
+            for r in w.adm_waiting.values():
+                d = self.workers[r.dw]
+                d.waiting_tel += 1
+                d.waiting_kv_tel += admission_kv_tokens(
+                    r.prompt, r.output, cfg.decode_reserve_tokens, self.profile.max_context_tokens
+                )
 
     def decode_signals(self, d: SimWorker, n_peers: int) -> DecodePressure:
         return decode_pressure(
@@ -268,7 +267,10 @@ class ControlPlane:
         """Drain → Switch once the role's in-flight work (and the link) is done."""
         if w.state != DRAIN:
             return
-        drained = w.current is None and not w.queue if w.role == PREFILL else w.requests == 0
+        if w.role == PREFILL:  # computed requests waiting for decode hold KV here
+            drained = w.current is None and not w.queue and not w.adm_waiting
+        else:
+            drained = w.requests == 0
         if not drained:
             return
         if w.link_free_s > self.now:
