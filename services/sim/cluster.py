@@ -340,8 +340,6 @@ class Simulation(ControlPlane):
                     r.wait_since = -1.0
                 if r.computed:
                     self._export(w, r)
-                    if w.state == DRAIN:
-                        self.check_drain(w)
                 return
             if r.wait_since < 0:
                 r.wait_since = now
@@ -351,8 +349,6 @@ class Simulation(ControlPlane):
                 self.fail(r)  # decode_wait_timeout (in-band after its first token)
                 if r.computed:
                     self._free_local(w, r)
-                    if w.state == DRAIN:
-                        self.check_drain(w)
                 return
             other = self._with_capacity(d, r)
             if other is None:

@@ -267,10 +267,9 @@ class ControlPlane:
         """Drain → Switch once the role's in-flight work (and the link) is done."""
         if w.state != DRAIN:
             return
-        if w.role == PREFILL:  # computed requests waiting for decode hold KV here
-            drained = w.current is None and not w.queue and not w.adm_waiting
-        else:
-            drained = w.requests == 0
+        # Computed prompts waiting for a decode reservation do not hold a P→D switch (it
+        # adds the capacity they wait for): they keep their blocks and wait on (switch.py).
+        drained = w.current is None and not w.queue if w.role == PREFILL else w.requests == 0
         if not drained:
             return
         if w.link_free_s > self.now:
