@@ -104,3 +104,17 @@ def test_a_refused_request_is_re_paired_with_a_decode_worker_with_room() -> None
     assert not any(r.failed for r in sim.reqs)
     assert a.dw != c.dw
     assert c.t_last < a.t_last
+
+
+def test_a_computed_request_waiting_for_decode_does_not_hold_a_p2d_drain() -> None:
+    # As switch.py: the switch adds the decode capacity it waits for; it keeps its blocks.
+    trace = [TraceRequest(0.0, 1000, 4, "a")]
+    sim = Simulation(trace, _static(workers=3, prefill_workers=2), PROFILE)
+    p, r = sim.workers[0], sim.reqs[0]
+    r.pw, r.dw, r.computed, r.local_blocks = p.index, 2, True, 63
+    r.wait_since = 0.0
+    p.adm_waiting[r.idx] = r
+    p.local_blocks = 63
+    sim.start_switch(p, "decode")
+    assert p.state == "switch"  # drained at once: nothing queued or computing
+    assert p.adm_waiting == {r.idx: r} and p.local_blocks == 63
