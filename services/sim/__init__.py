@@ -3,7 +3,7 @@
 It imports the very policy code the services run (shared.policy: predictors, PPI/DPI,
 Algorithm 1, RolePolicy) and the shipped latency profile, and models the data path of the
 router, prefill and decode roles, telemetry, the controller and in-place role switches
-(cluster.py, prefill_path.py, decode_path.py, telemetry.py, control.py). Entry points:
+(cluster.py, control.py). Entry points:
 ``Simulation(trace, cfg, profile).run()``, ``run_config``, ``run_oracle``; ``fluidpd bench
 sim`` drives them (services/bench/sim.py).
 """

@@ -51,8 +51,10 @@ class SimConfig:
     # the one formula pressure.admission_kv_tokens); longer outputs grow while decoding.
     decode_reserve_tokens: int = 256
     telemetry_interval_s: float = 0.02  # WorkerConfig.telemetry_interval_s
-    # Admission (services/worker/prefill/admission.py / DecodeRole.admit): retry periods and the give-up.
-    admit_timeout_s: float = 5.0
+    # Admission (services/worker/prefill/admission.py / DecodeRole.admit): retry periods, and
+    # how long a computed request may wait for decode capacity (WorkerConfig's
+    # decode_wait_timeout_s) before it ends with decode_wait_timeout (failed).
+    decode_wait_s: float = 60.0
     retry_batch_full_s: float = 0.02
     retry_no_blocks_s: float = 0.05
     retry_not_admitting_s: float = 0.05
@@ -73,7 +75,7 @@ class SimConfig:
     drain_timeout_s: float = 60.0
     switch_overhead_s: float = 0.05  # re-slice + route update after the drain (design goal)
     migrate_on_drain: bool = True  # D→P: move running decodes to peers (WorkerConfig.migrate)
-    # Simulator bounds (speed), see telemetry.py.
+    # Simulator bounds (speed), see control.py.
     policy_queue_window: int = 256  # queued requests PPI/Algorithm 1 inspect
     sample_interval_s: float = 1.0  # time-series resolution
 
@@ -94,7 +96,7 @@ class SimConfig:
             raise SimConfigError("num_kv_blocks must be >= 0")
         positive = (
             "telemetry_interval_s",
-            "admit_timeout_s",
+            "decode_wait_s",
             "retry_batch_full_s",
             "retry_no_blocks_s",
             "retry_not_admitting_s",

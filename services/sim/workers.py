@@ -26,16 +26,17 @@ class SimRequest:
     __slots__ = (
         "arrival_s",
         "blocks",
+        "computed",
         "decode_id",
         "done",
         "dw",
         "epoch",
         "expired",
         "failed",
-        "give_up_s",
         "idx",
         "k0",
         "kf",
+        "local_blocks",
         "n0",
         "ntok",
         "output",
@@ -52,6 +53,7 @@ class SimRequest:
         "suffix",
         "t_first",
         "t_last",
+        "wait_since",
         "window",
     )
 
@@ -72,8 +74,13 @@ class SimRequest:
         self.prompt_tokens = prompt
         self.decode_id = ""
         self.planned_suffix = 0
-        self.give_up_s = 0.0
         self.blocks = 0  # KV blocks reserved/held on the decode worker
+        # Prefill side: blocks its prompt (prefix) KV holds there from the start of its
+        # prefill until the transfer ends; whether that prefill is done; since when it
+        # waits for decode admission (refused for capacity; -1 = not waiting).
+        self.local_blocks = 0
+        self.computed = False
+        self.wait_since = -1.0
         self.suffix = 0  # stolen tokens (L_sfx)
         self.prefix = prompt
         self.sfx_done = 0
@@ -106,6 +113,11 @@ class SimWorker:
         # Prefill side (PrefillRole).
         self.queue: deque[SimRequest] = deque()
         self.current: SimRequest | None = None
+        # Requests refused for capacity and retried (admission.py's ``waiting``), by idx;
+        # computed ones hold their KV here. ``local_blocks``: prompt KV held here (being
+        # computed, waiting for admission, or on the wire), part of the one block pool.
+        self.adm_waiting: dict[int, SimRequest] = {}
+        self.local_blocks = 0
         self.link_free_s = 0.0  # KV exports/migrations leave over one serialised link
         # Decode side (DecodeRole).
         self.num_blocks = num_blocks
@@ -141,7 +153,7 @@ class SimWorker:
     # ----------------------------------------------------------------- views
     @property
     def free_blocks(self) -> int:
-        return self.num_blocks - self.held_blocks - self.reserved_blocks
+        return self.num_blocks - self.held_blocks - self.reserved_blocks - self.local_blocks
 
     @property
     def running(self) -> int:
