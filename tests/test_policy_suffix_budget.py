@@ -79,15 +79,17 @@ def test_chunk_fits_the_slack_on_its_prefix_and_is_free_when_nothing_decodes() -
 
 
 def test_worker_and_simulator_use_the_same_functions() -> None:
-    import services.sim.cluster as sim_cluster
-    import services.sim.control as sim_control
+    import services.sim.decode_path as sim_decode
+    import services.sim.prefill_path as sim_prefill
     import services.sim.router as sim_router
+    import services.sim.telemetry as sim_telemetry
     import services.worker.decode.decode_intake as intake
     import services.worker.policy as policy
 
-    assert policy.suffix_chunk_tokens is sim_cluster.suffix_chunk_tokens
-    assert policy.suffix_allowance_tokens is sim_control.suffix_allowance_tokens
-    assert policy.offered_budget_tokens is sim_control.offered_budget_tokens
-    assert policy.decode_load_from_pool is sim_control.decode_load_from_pool
-    assert intake.admission_kv_tokens is sim_cluster.admission_kv_tokens
+    assert policy.suffix_chunk_tokens is sim_decode.suffix_chunk_tokens
+    assert policy.suffix_allowance_tokens is sim_telemetry.suffix_allowance_tokens
+    assert policy.offered_budget_tokens is sim_telemetry.offered_budget_tokens
+    assert policy.decode_load_from_pool is sim_telemetry.decode_load_from_pool
+    assert intake.admission_kv_tokens is sim_prefill.admission_kv_tokens
+    assert intake.admission_kv_tokens is sim_telemetry.admission_kv_tokens
     assert intake.admission_kv_tokens is sim_router.admission_kv_tokens

@@ -252,7 +252,7 @@ def test_sim_router_pressure_pairing_matches_the_real_policy() -> None:
     assert sim_seq == real_seq
     expected = ["w000", "w000", "w001", "w000", "w001", "w000", "w002", "w001", "w000", "w002"]
     assert sim_seq == expected
-    # A telemetry tick (control.py resets sent_since) supersedes the local estimate.
+    # A telemetry tick (telemetry.py resets sent_since) supersedes the local estimate.
     for w in workers:
         w.sent_since = 0
     workers[0].ppi = 0.625

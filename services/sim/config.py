@@ -75,7 +75,7 @@ class SimConfig:
     drain_timeout_s: float = 60.0
     switch_overhead_s: float = 0.05  # re-slice + route update after the drain (design goal)
     migrate_on_drain: bool = True  # D→P: move running decodes to peers (WorkerConfig.migrate)
-    # Simulator bounds (speed), see control.py.
+    # Simulator bounds (speed), see telemetry.py.
     policy_queue_window: int = 256  # queued requests PPI/Algorithm 1 inspect
     sample_interval_s: float = 1.0  # time-series resolution
 

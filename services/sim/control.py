@@ -1,14 +1,8 @@
-"""The simulator's control plane: telemetry (20 ms), FluidRole (1 s), switching, migration.
+"""The simulator's control plane: FluidRole (1 s), switching, migration; the telemetry it
+reads (20 ms) is telemetry.py.
 
-Mirrors worker/policy.py, controller/status.py + controller.py and worker/role_switch/switch.py:
+Mirrors controller/status.py + controller.py and worker/role_switch/switch.py:
 
-* Telemetry: every worker publishes every ``telemetry_interval_s``. A decode-role worker
-  computes ``decode_pressure`` (eq. 6–8, 14, 16, 17) from its load — C_active = Σ tokens of
-  runnable requests, C_reserved = blocks reserved for transfers in flight, N = runnable
-  requests, |P| = prefill-role workers, N_TPOT capped at ``max_num_seqs`` — and publishes
-  ⌊B_steal⌋; a prefill-role worker publishes PPI (eq. 5) over its queue with the running
-  prefill's full T_pre as ``running_remaining_s`` (as the worker does). The controller keeps a
-  PPI window per prefill worker (eq. 20's p95) and forgets it when the worker turns decode.
 * Controller: every ``decision_interval_s`` a ClusterSnapshot goes to ``RolePolicy.decide``
   (eq. 20–23, N_persist, cooldown/settling, one decision's moves at a time, never empty a
   role); every worker the decision names starts its switch at once.
@@ -18,17 +12,11 @@ Mirrors worker/policy.py, controller/status.py + controller.py and worker/role_s
   ``migrate_on_drain``, moves each running decode (at an iteration boundary) to the Active
   decode worker with the most free blocks, its KV (tokens so far) over the link; it is
   cancelled after ``drain_timeout_s``. The flip itself costs ``switch_overhead_s``.
-
-Only the PPI inspection is bounded (``policy_queue_window`` requests): beyond a few hundred
-queued requests the predicted work far exceeds any TTFT budget, so PPI is already ≫ 1 and
-Algorithm 1 spends every budget on the first at-risk requests; the bound keeps a saturated
-queue from costing O(queue) per 20 ms tick.
 """
 
 from __future__ import annotations
 
-from itertools import islice
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from services.sim.events import (
     E_CONTROL,
@@ -41,18 +29,6 @@ from services.sim.events import (
 )
 from services.sim.workers import SimRequest, SimWorker
 from shared.policy.fluidrole import ClusterSnapshot, RolePolicy, WorkerView
-from shared.policy.fluidtoken import StealBudget
-from shared.policy.prefill_pressure import QueuedRequest, queue_ppi
-from shared.policy.pressure import (
-    DecodeLoad,
-    DecodePressure,
-    admission_kv_tokens,
-    decode_load_from_pool,
-    decode_pressure,
-    dpi_adm,
-    offered_budget_tokens,
-    suffix_allowance_tokens,
-)
 from shared.policy.roles import ACTIVE, DECODE, DRAIN, PREFILL, SWITCH
 from shared.policy.window import KeyedWindows
 
@@ -71,7 +47,6 @@ class ControlPlane:
         policy: PolicyConfig
         workers: list[SimWorker]
         reqs: list[SimRequest]
-        budgets: dict[str, StealBudget]
         now: float
         remaining: int
         _kv_s_per_token: float
@@ -101,110 +76,6 @@ class ControlPlane:
         if self.cfg.fluidrole:
             self.push(t0 + self.policy.decision_interval_s, E_CONTROL, None)
         self.push(t0, E_SAMPLE, None)
-
-    # -------------------------------------------------------------- telemetry
-    def decode_load(self, d: SimWorker) -> DecodeLoad:
-        """The worker's DecodeLoad, by the live worker's formula (decode_load_from_pool),
-        with the requests waiting for its admission as of the last telemetry tick."""
-        bs = self.cfg.block_size
-        return decode_load_from_pool(
-            d.num_blocks * bs,
-            (d.held_blocks + d.reserved_blocks) * bs,
-            d.active_tokens(),
-            d.running,
-            d.requests,
-            self.cfg.max_num_seqs,
-            waiting_kv_tokens=d.waiting_kv_tel,
-            waiting_requests=d.waiting_tel,
-        )
-
-    def count_waiting(self) -> None:
-        """Per decode worker, the requests refused for capacity that prefill workers keep
-        retrying (``adm_waiting``: computing or computed, not admitted yet) and the KV they
-        would reserve: the live decode worker's ``decode_waiting`` (WaitingAdmissions).
-        Mutates ``waiting_*_tel``."""
-        for w in self.workers:
-            w.waiting_tel = w.waiting_kv_tel = 0
-        cfg = self.cfg
-        for w in self.workers:
-            for r in w.adm_waiting.values():
-                d = self.workers[r.dw]
-                d.waiting_tel += 1
-                d.waiting_kv_tel += admission_kv_tokens(
-                    r.prompt, r.output, cfg.decode_reserve_tokens, self.profile.max_context_tokens
-                )
-
-    def decode_signals(self, d: SimWorker, n_peers: int) -> DecodePressure:
-        return decode_pressure(
-            self.decode_load(d),
-            self.profile,
-            self.policy,
-            max(1, n_peers),
-            max_batch=self.cfg.max_num_seqs,
-        )
-
-    def steal_allowance(self, d: SimWorker, context_tokens: int) -> int:
-        """DecodeRole's re-check at admission (suffix_allowance_tokens, as the worker)."""
-        if d.role != DECODE:
-            return 0
-        n_peers = sum(1 for w in self.workers if w.role == PREFILL)
-        sig = self.decode_signals(d, n_peers)
-        offered = offered_budget_tokens(sig.steal_budget_tokens, d.suffix_backlog)
-        return suffix_allowance_tokens(
-            offered, sig.tpot_slack_s, context_tokens, self.profile, self.policy
-        )
-
-    def on_telemetry(self) -> None:
-        now = self.now
-        cfg = self.cfg
-        window = cfg.policy_queue_window
-        n_peers = sum(1 for w in self.workers if w.role == PREFILL)
-        self.count_waiting()
-        for w in self.workers:
-            w.sent_since = 0
-            w.queue_len_tel = w.queue_len()
-            w.free_blocks_tel = w.free_blocks
-            w.running_tel = w.running
-            if w.role == DECODE:
-                if not (cfg.fluidtoken or cfg.fluidrole):
-                    # Pressure pairing alone reads DPI_adm only (eq. 8): skip the rest.
-                    w.dpi_adm, w.ppi = dpi_adm(self.decode_load(w)), 0.0
-                    continue
-                sig = self.decode_signals(w, n_peers)
-                w.dpi_load, w.dpi_adm, w.ppi = sig.dpi_load, sig.dpi_adm, 0.0
-                offered = offered_budget_tokens(sig.steal_budget_tokens, w.suffix_backlog)
-                self.budgets[w.wid] = StealBudget(float(int(offered)), now)
-                if cfg.fluidrole:
-                    self.ppi_windows.forget(w.wid)
-                continue
-            self.budgets.pop(w.wid, None)
-            cur = w.current
-            running_s = self.profile.prefill_time_s(cur.prompt) if cur is not None else 0.0
-            if w.queue or running_s:
-                # SimRequest has QueuedRequest's fields: the queue is read in place.
-                view = cast("list[QueuedRequest]", islice(w.queue, window))
-                w.ppi = queue_ppi(
-                    view, self.profile, self.policy, now, running_remaining_s=running_s
-                )
-            else:
-                w.ppi = 0.0
-            if cfg.fluidrole:
-                self.ppi_windows.add(w.wid, now, w.ppi)
-        if self.remaining:
-            self.push(now + cfg.telemetry_interval_s, E_TELEMETRY, None)
-
-    def on_sample(self) -> None:
-        s = self.series
-        s["t_s"].append(self.now)
-        s["prefill_queue"].append(
-            float(sum(w.queue_len() for w in self.workers if w.role == PREFILL))
-        )
-        s["prefill_workers"].append(float(sum(1 for w in self.workers if w.role == PREFILL)))
-        s["decode_running"].append(float(sum(w.running for w in self.workers if w.role == DECODE)))
-        s["stolen_tokens_per_s"].append(self.stolen_since_sample / self.cfg.sample_interval_s)
-        self.stolen_since_sample = 0
-        if self.remaining:
-            self.push(self.now + self.cfg.sample_interval_s, E_SAMPLE, None)
 
     # ------------------------------------------------------------- controller
     def on_control(self) -> None:

@@ -15,7 +15,7 @@ Telemetry in the simulator is instantaneous and never stale (every worker publis
 20 ms and sees a request the moment it is sent), so a telemetry tick supersedes the whole
 prefill estimate (the real router keeps the sends of the last few ms, see its module doc)
 and the stale-telemetry fallback never applies. A tick shows here as the worker's
-``sent_since`` counter reset to 0 (control.py). Settled pairings are pruned off the front of
+``sent_since`` counter reset to 0 (telemetry.py). Settled pairings are pruned off the front of
 each decode worker's list (pairing order), so one settled behind an unsettled one counts a
 little longer than in the real router (an approximation that keeps a pick O(workers)). The
 decode reservation counted is exactly what admission will reserve (admission_kv_tokens, the
