@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from shared.messages import WorkerRecord, WorkerRow, WorkerTelemetry
 from shared.policy.fluidrole import ClusterSnapshot, WorkerView
-from shared.policy.roles import ACTIVE, DRAIN, PREFILL, SWITCH
+from shared.policy.roles import ACTIVE, DECODE, DRAIN, PREFILL, SWITCH
 from shared.policy.window import KeyedWindows
 
 # Worker-reported state → policy state. States not listed ("starting", "stopping") keep a
@@ -117,9 +117,9 @@ class WorkerBook:
                     # FluidRole's decode backlog (fluidrole.decode_demand): requests this
                     # decode worker refused for capacity and its batch limit.
                     decode_waiting=int(tel.metrics.get("decode_waiting", 0.0))
-                    if role == "decode"
+                    if role == DECODE
                     else 0,
-                    max_decode_requests=rec.max_num_seqs if role == "decode" else 0,
+                    max_decode_requests=rec.max_num_seqs if role == DECODE else 0,
                 )
             )
         return ClusterSnapshot(tuple(views))

@@ -72,11 +72,13 @@ class Choice:
             pieces.append(self._echo())
         before = self.text.num_tokens
         pieces.append(self.text.push(chunk.token_ids, chunk.receive_times_s))
+        taken = self.text.num_tokens - before
+        if chunk.logprobs:  # also when only the router asked (best_of ranking)
+            lps = chunk.logprobs[:taken]
+            self.cumulative_logprob += sum(lp.logprob for lp in lps if lp is not None)
         if self.logprobs is not None:
-            taken = self.text.num_tokens - before
             for tok, lp in zip(chunk.token_ids[:taken], chunk.logprobs[:taken], strict=True):
                 self.logprobs.add(tok, lp)
-                self.cumulative_logprob += lp.logprob if lp is not None else 0.0
         return pieces
 
     def _echo(self) -> str:

@@ -75,7 +75,8 @@ class Dispatcher:
                 if not entry.may_publish(batch.publisher_id, self._active_decode_ids):
                     foreign += 1
                     continue
-                if item.handed_to is not None:
+                if item.handed_to is not None and item.handed_role is not None:
+                    # TokenItem.check: a hand-over always names the role handed over.
                     entry.hand_over(batch.publisher_id, item.handed_to, item.handed_role)
                     continue
                 if item.token_ids or item.finish_reason is not None:
@@ -157,8 +158,12 @@ class Dispatcher:
                 f"{exc}; retry later", code="no_active_workers", retry_after_s=RETRY_AFTER_S
             ) from None
 
-    async def submit(self, req: GenerationRequest, max_tokens: int) -> InFlight:
-        """Send the request to a pair (retrying once on another pair). Returns the
+    async def submit(
+        self, req: GenerationRequest, max_tokens: int, *, sample_logprobs: bool = False
+    ) -> InFlight:
+        """Send the request to a pair (retrying once on another pair); ``sample_logprobs``:
+        the sampled tokens' logprobs come back even when ``req`` asks for none (the router
+        ranks best_of samples by them; no prompt logprobs are computed for it). Returns the
         in-flight entry (the caller must ``release`` it). Raises Unavailable (503).
         Cancelled meanwhile (client gone): the entry is released and the request cancelled
         on both workers before CancelledError propagates."""
@@ -173,7 +178,7 @@ class Dispatcher:
             seed=seed,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
-            logprobs=req.logprobs,
+            logprobs=0 if sample_logprobs and req.logprobs is None else req.logprobs,
             prompt_logprobs=req.logprobs if req.echo else None,
         )
         echo_logprobs = req.echo and req.logprobs is not None

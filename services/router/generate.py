@@ -99,17 +99,17 @@ class GenerationHandler:
         seed = req.seed if req.seed is not None else secrets.randbits(SEED_BITS)
         if req.best_of > 1:
             req = dataclasses.replace(req, seed=seed)
-        # best_of > n ranks the samples by cumulative logprob: ask for logprobs internally.
+        # best_of > n ranks the samples by cumulative logprob: the workers send the sampled
+        # tokens' logprobs even when the client did not ask for any (nothing else changes).
         ranked = req.best_of > req.n and req.logprobs is None
-        base = dataclasses.replace(req, logprobs=0) if ranked else req
         choices: list[Choice] = []
         try:
             for i in range(req.best_of):
-                sub = dataclasses.replace(base, seed=choice_seed(seed, i)) if i else base
-                entry = await self.dispatcher.submit(sub, max_tokens)
+                sub = dataclasses.replace(req, seed=choice_seed(seed, i)) if i else req
+                entry = await self.dispatcher.submit(sub, max_tokens, sample_logprobs=ranked)
                 if gate is not None:
                     gate.note_sent(entry.prefill_id, prompt_len)
-                choices.append(Choice(self.tokenizer, sub, entry, i))
+                choices.append(Choice(self.tokenizer, req, entry, i))
                 self.metrics.in_flight.inc()
                 self.metrics.prompt_tokens_total.inc(entry.prompt_len)
                 self.metrics.vllm.submitted()
@@ -180,8 +180,6 @@ class GenerationHandler:
             done = sorted(done, key=lambda d: -d[0].cumulative_logprob)[: req.n]
             for i, (c, _) in enumerate(done):
                 c.index = i
-                if req.logprobs is None:
-                    c.logprobs = None  # asked internally only
         body = {
             **envelope(req, entry, self.model_name, chunk=False),
             "choices": [
@@ -245,10 +243,9 @@ class GenerationHandler:
 
         pumps = [asyncio.ensure_future(pump(c)) for c in choices]
         try:
-            pending: list[Step] = []
+            head: Step | None = None
             if self.stream_header_hold_s > 0:
                 head = await self._hold(request, steps, choices)
-                pending = [head] if head is not None else []
             response = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
             )
@@ -265,7 +262,8 @@ class GenerationHandler:
                     await send({**base, "choices": [first], **usage_null})
             open_choices = len(choices)
             while open_choices:
-                c, delta, end = pending.pop() if pending else await steps.get()
+                step, head = (head, None) if head is not None else (await steps.get(), None)
+                c, delta, end = step
                 if end is not None and end.failed:
                     if delta:
                         part = choice_object(req, c, delta, None, True)

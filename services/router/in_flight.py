@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from services.router.streams import RequestStream
-from shared.policy.roles import DECODE, PREFILL, Role
+from shared.policy.roles import PREFILL, Role
 
 log = structlog.get_logger("fluidpd.router")
 
@@ -56,7 +56,7 @@ class InFlight:
             return True
         return False
 
-    def hand_over(self, publisher_id: str, to_id: str, role: Role | None) -> None:
+    def hand_over(self, publisher_id: str, to_id: str, role: Role) -> None:
         """``publisher_id`` (already checked to be in custody: only a worker the request was
         given to can rebind it) hands the ``role`` part of this request to ``to_id``: a
         queue hand-off at a P->D switch, a re-pairing with another decode worker. The
@@ -64,10 +64,8 @@ class InFlight:
         keep their order through nats-server). Mutates this entry."""
         if role == PREFILL:
             self.prefill_id = to_id
-        elif role == DECODE:
-            self.decode_id = to_id
         else:
-            return
+            self.decode_id = to_id
         self.custody.add(to_id)
         log.info(
             "request_handed_over",

@@ -41,7 +41,6 @@ class SimRequest:
         "ntok",
         "output",
         "outs",
-        "planned_suffix",
         "prefix",
         "prompt",
         "prompt_tokens",
@@ -73,7 +72,6 @@ class SimRequest:
         self.request_id = f"r{idx}"
         self.prompt_tokens = prompt
         self.decode_id = ""
-        self.planned_suffix = 0
         self.blocks = 0  # KV blocks reserved/held on the decode worker
         # Prefill side: blocks its prompt (prefix) KV holds there from the start of its
         # prefill until the transfer ends; whether that prefill is done; since when it

@@ -27,7 +27,7 @@ from shared.policy.admission import queue_work_s
 from shared.policy.config import PolicyConfig
 from shared.policy.fluidtoken import select_steal_ratios
 from shared.policy.predictors import LatencyProfile
-from shared.policy.prefill_pressure import QueuedRequest, queue_ppi
+from shared.policy.prefill_pressure import queue_ppi
 from shared.policy.pressure import (
     DecodeLoad,
     decode_load_from_pool,
@@ -68,7 +68,6 @@ class WorkerPolicy:
         metrics: WorkerMetrics,
         *,
         force_steal_ratio: float,
-        max_num_seqs: int,
         recalibrate: bool,
         idle_chunk_tokens: int,
     ) -> None:
@@ -80,7 +79,6 @@ class WorkerPolicy:
         self._status = status
         self._metrics = metrics
         self.force_steal_ratio = force_steal_ratio
-        self.max_num_seqs = max_num_seqs
         self.recalibrate = recalibrate
         self.idle_chunk_tokens = idle_chunk_tokens
         self.queue_work_s = 0.0
@@ -88,7 +86,6 @@ class WorkerPolicy:
         self.dpi_load = 0.0
         self.dpi_adm = 0.0
         self.steal_budget_tokens = 0.0
-        self.max_suffix_tokens = 0.0
         self.tpot_slack_s = 0.0
 
     def signals(self) -> PressureSignals:
@@ -116,10 +113,7 @@ class WorkerPolicy:
         if forced >= 0:
             head = jobs[0]
             return {head.request_id: int(forced * head.prompt_len)}
-        queue = [
-            QueuedRequest(j.request_id, j.arrival_s, j.prompt_len, j.msg.decode_worker_id)
-            for j in jobs
-        ]
+        queue = [j.queued_request() for j in jobs]
         plan = select_steal_ratios(queue, self._peers.budgets, self.profile, self.policy, now_s)
         return {jobs[i].request_id: n for i, n in plan.stolen_tokens.items()}
 
@@ -186,7 +180,7 @@ class WorkerPolicy:
             self.profile,
             self.policy,
             max(1, len(peers)),
-            max_batch=self.max_num_seqs,
+            max_batch=dec.max_num_seqs,
         )
         self.dpi_load = pressure.dpi_load
         self.dpi_adm = pressure.dpi_adm
@@ -194,7 +188,6 @@ class WorkerPolicy:
         # budget we offer (and re-check) is what is left of one iteration's worth (eq. 16-17).
         budget = offered_budget_tokens(pressure.steal_budget_tokens, dec.pending_prompt_tokens)
         self.steal_budget_tokens = budget if self._status.role == DECODE else 0.0
-        self.max_suffix_tokens = pressure.max_suffix_tokens
         self.tpot_slack_s = pressure.tpot_slack_s
 
     def _refresh_prefill(self, pf: PrefillStats) -> None:

@@ -118,7 +118,6 @@ class WorkerRuntime(Service):
             self.status,
             self.metrics,
             force_steal_ratio=cfg.force_steal_ratio,
-            max_num_seqs=cfg.max_num_seqs,
             recalibrate=cfg.recalibrate,
             idle_chunk_tokens=PREFILL_CHUNK_TOKENS,
         )
@@ -296,5 +295,5 @@ class WorkerRuntime(Service):
         return self.failure.exit_status
 
     def _stop_admitting(self) -> None:
-        self.prefill.set_admitting(False)
+        # Prefill work is refused by state (handlers.py); decode admission has its own gate.
         self.decode.set_admitting(False)

@@ -73,11 +73,12 @@ class Telemetry:
         dec, pf, sw = self._decode_stats(), self._prefill_stats(), self._switch_stats()
         policy = self._policy
         policy.refresh(dec, pf)
+        sig = policy.signals()
         now = time.monotonic()
         status = self._status
         budgets: dict[str, int] = {}
         if status.role == DECODE:
-            offer = int(policy.steal_budget_tokens)
+            offer = int(sig.steal_budget_tokens)
             budgets = {p: offer for p in self._peers.fresh_prefill_peers(now)}
         pool = dec.pool
         return WorkerTelemetry(
@@ -91,9 +92,9 @@ class Telemetry:
             running=dec.num_running,
             free_blocks=pool.free_blocks,
             total_blocks=pool.usable_blocks,
-            ppi=policy.ppi,
-            dpi_load=policy.dpi_load,
-            dpi_adm=policy.dpi_adm,
+            ppi=sig.ppi,
+            dpi_load=sig.dpi_load,
+            dpi_adm=sig.dpi_adm,
             steal_budgets=budgets,
             stolen_tokens_total=dec.stolen_tokens_total + pf.handed_off_tokens_total,
             metrics={
@@ -117,7 +118,7 @@ class Telemetry:
                 # Overload (docs/operations.md): queued prefill work in predicted seconds and
                 # T_pre's coefficients (the router predicts TTFT from them), requests waiting
                 # for decode capacity on either side, and what was dropped or timed out.
-                "queue_work_s": policy.queue_work_s,
+                "queue_work_s": sig.queue_work_s,
                 "prefill_c0_s": policy.profile.prefill_c0_s,
                 "prefill_c1_s_per_token": policy.profile.prefill_c1_s_per_token,
                 "admission_waiting": float(pf.admission_waiting),

@@ -233,9 +233,8 @@ class RolePolicy:
         workers = snapshot.workers
         ppi_bar, load_bar, adm_now, n_p, n_d = aggregate_pressure(workers)
         adm_bar = self.smoothed_adm(adm_now, now_s)
-        rec, reason = recommend(
-            ppi_bar, load_bar, adm_bar, cfg, adm_guard_value=max(adm_bar, adm_now)
-        )
+        adm_d2p = max(adm_bar, adm_now)  # the D->P guard also heeds a fresh spike
+        rec, reason = recommend(ppi_bar, load_bar, adm_bar, cfg, adm_guard_value=adm_d2p)
 
         def out(action: str, why: str, movers: Sequence[WorkerView] = ()) -> Decision:
             target = None
@@ -293,7 +292,7 @@ class RolePolicy:
                 rec,
                 ppi_bar,
                 load_bar,
-                max(adm_bar, adm_now) if rec == D2P else adm_bar,
+                adm_d2p if rec == D2P else adm_bar,
                 n_p,
                 n_d,
                 cfg,

@@ -83,7 +83,6 @@ class DecodeRole:
         self.chunk_budget = chunk_budget
         self.table = DecodeTable(self.bm, streamer, publish)
         self.progress = self.table.progress  # set when a request leaves (a D->P drain waits)
-        self.capacity_failures_total = 0
         self.stolen_tokens_total = 0
         self.iterations_total = 0
         self.last_step_s = 0.0
@@ -131,7 +130,6 @@ class DecodeRole:
             # again at once. (Returning nothing would let the loop clear its wake-up and
             # sleep with runnable requests: a hang.)
             victim = max(plan.stalled, key=lambda r: r.arrival_s)
-            self.capacity_failures_total += 1
             log.warning(
                 "kv_pool_exhausted",
                 request_id=victim.request_id,

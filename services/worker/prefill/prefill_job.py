@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.messages import PrefillRequest, TokenLogprob
+from shared.policy.prefill_pressure import QueuedRequest
 
 
 @dataclass(eq=False)
@@ -27,3 +28,9 @@ class PrefillJob:
     @property
     def prompt_len(self) -> int:
         return len(self.msg.prompt_token_ids)
+
+    def queued_request(self) -> QueuedRequest:
+        """This job as the pressure policy sees it (PPI, Algorithm 1). Pure."""
+        return QueuedRequest(
+            self.request_id, self.arrival_s, self.prompt_len, self.msg.decode_worker_id
+        )

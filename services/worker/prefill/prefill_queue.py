@@ -60,10 +60,7 @@ class PrefillQueue:
 
     def view(self) -> tuple[QueuedRequest, ...]:
         """The queue as the policy sees it (head first)."""
-        return tuple(
-            QueuedRequest(j.request_id, j.arrival_s, j.prompt_len, j.msg.decode_worker_id)
-            for j in self._queue
-        )
+        return tuple(j.queued_request() for j in self._queue)
 
     def enqueue(self, msg: PrefillRequest, seed: int) -> None:
         """Queue ``msg`` (FIFO). A request whose cancel came first is dropped (not queued)."""

@@ -126,7 +126,6 @@ class PrefillRole:
         self.requeue = self.queue.requeue  # a job take_queued removed that nobody took
         self.cancel_background = self.handoff.cancel_all  # the worker stops
         self.current: PrefillJob | None = None
-        self.admitting = True
         self.prefills_total = 0
         self.last_step_s = 0.0
 
@@ -286,10 +285,6 @@ class PrefillRole:
             self.notices.error(job, error, code)
 
     # ------------------------------------------------------------- role switch
-    def set_admitting(self, admitting: bool) -> None:
-        """Accept prefill work (True) or not (a drain, a failure). Mutates."""
-        self.admitting = admitting
-
     def drained(self) -> bool:
         """True when nothing runs, is queued or is being exported (a P->D switch waits)."""
         return self.current is None and not self.handoff.exports and not len(self.queue)

@@ -168,8 +168,7 @@ class RoleSwitcher:
         prefill, decode = self._prefill, self._decode
         t0 = time.perf_counter()
         await self._announcer.set_state(DRAIN, f"switch {from_role}->{to_role}")
-        if from_role == PREFILL:
-            prefill.set_admitting(False)
+        if from_role == PREFILL:  # prefill work is refused by the Drain state (handlers.py)
             await self._hand_off_queue()
             drained = await wait_drained(prefill.drained, prefill.progress, self.drain_timeout_s)
         else:
@@ -222,7 +221,6 @@ class RoleSwitcher:
             return 0
 
     def _set_admitting(self, admitting: bool) -> None:
-        self._prefill.set_admitting(admitting)
         self._decode.set_admitting(admitting)
 
     async def _migrate_long_requests(self) -> bool:
