@@ -24,7 +24,11 @@ from shared.policy.fluidrole import (
 )
 from shared.policy.fluidrole_sizing import DecodeDemand, move_size
 
-CFG = PolicyConfig(n_persist=1)  # margin 0.1, fill target 0.5, median DPI̅_adm, up to 3
+# The mechanisms at the values these cases were written for (the defaults moved since:
+# margin 0, fill target 0.75, and a prefill busy bound; tests below cover those).
+CFG = PolicyConfig(
+    n_persist=1, d2p_load_margin=0.1, decode_fill_target=0.5, p2d_busy_bound=0.0
+)  # median DPI̅_adm, up to 3 workers per move
 
 
 def cluster(

@@ -28,6 +28,7 @@ from services.sim.events import (
     E_TELEMETRY,
 )
 from services.sim.workers import SimRequest, SimWorker
+from shared.policy.busy import BusyMeter
 from shared.policy.fluidrole import ClusterSnapshot, RolePolicy, WorkerView
 from shared.policy.roles import ACTIVE, DECODE, DRAIN, PREFILL, SWITCH
 from shared.policy.window import KeyedWindows
@@ -58,6 +59,7 @@ class ControlPlane:
     def init_control(self) -> None:
         self.role_policy = RolePolicy(self.policy)
         self.ppi_windows = KeyedWindows(self.policy.window_s)
+        self.busy_meters: dict[str, BusyMeter] = {}  # prefill workers' (telemetry.py)
         self.switches: list[dict[str, Any]] = []
         self.migrations = 0
         self.stolen_since_sample = 0
@@ -94,6 +96,7 @@ class ControlPlane:
                     active_decode_requests=w.running_tel,
                     kv_active_tokens=(w.num_blocks - w.free_blocks_tel) * bs,
                     running_prefill_tokens=w.current.prompt if w.current is not None else 0,
+                    prefill_busy_frac=w.prefill_busy_frac if w.role == PREFILL else 0.0,
                     queue_len=w.queue_len_tel,
                     decode_waiting=w.waiting_tel if w.role == DECODE else 0,
                     max_decode_requests=self.cfg.max_num_seqs if w.role == DECODE else 0,

@@ -180,6 +180,7 @@ class PrefillPath:
         prefix = r.prefix if admitted else r.prompt
         r.local_blocks = -(-prefix // cfg.block_size)
         w.local_blocks += r.local_blocks
+        w.prefill_started_s = now
         self.push(now + self.profile.prefill_time_s(prefix), E_PREFILL_DONE, w, r)
         if not admitted:
             self._ask_admission(w, r)
@@ -272,6 +273,7 @@ class PrefillPath:
 
     def _prefill_done(self, w: SimWorker, r: SimRequest) -> None:
         now = self.now
+        w.prefill_busy_s += now - w.prefill_started_s
         w.current = None
         r.computed = True
         if r.done:  # gave up waiting for decode while computing: free the prompt's KV

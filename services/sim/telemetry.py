@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, cast
 
 from services.sim.events import E_SAMPLE, E_TELEMETRY
 from services.sim.workers import SimWorker
+from shared.policy.busy import BusyMeter
 from shared.policy.fluidtoken import StealBudget
 from shared.policy.prefill_pressure import QueuedRequest, queue_ppi
 from shared.policy.pressure import (
@@ -58,6 +59,7 @@ class Telemetry:
         workers: list[SimWorker]
         budgets: dict[str, StealBudget]
         ppi_windows: KeyedWindows
+        busy_meters: dict[str, BusyMeter]
         series: dict[str, list[float]]
         stolen_since_sample: int
         now: float
@@ -138,6 +140,7 @@ class Telemetry:
                 self.budgets[w.wid] = StealBudget(float(int(offered)), now)
                 if cfg.fluidrole:
                     self.ppi_windows.forget(w.wid)
+                    self.busy_meters.pop(w.wid, None)
                 continue
             self.budgets.pop(w.wid, None)
             cur = w.current
@@ -152,6 +155,11 @@ class Telemetry:
                 w.ppi = 0.0
             if cfg.fluidrole:
                 self.ppi_windows.add(w.wid, now, w.ppi)
+                meter = self.busy_meters.get(w.wid)
+                if meter is None:
+                    meter = self.busy_meters[w.wid] = BusyMeter(self.policy.window_s)
+                meter.sample(now, w.prefill_busy_total_s(now))
+                w.prefill_busy_frac = meter.fraction()
         if self.remaining:
             self.push(now + cfg.telemetry_interval_s, E_TELEMETRY, None)
 

@@ -111,6 +111,9 @@ class SimWorker:
         # Prefill side (PrefillRole).
         self.queue: deque[SimRequest] = deque()
         self.current: SimRequest | None = None
+        # Seconds spent computing prompts (completed ones), and when the current one began.
+        self.prefill_busy_s = 0.0
+        self.prefill_started_s = 0.0
         # Requests refused for capacity and retried (admission.py's ``waiting``), by idx;
         # computed ones hold their KV here. ``local_blocks``: prompt KV held here (being
         # computed, waiting for admission, or on the wire), part of the one block pool.
@@ -137,6 +140,7 @@ class SimWorker:
         self.iter_chunks: list[tuple[SimRequest, int]] = []
         # Latest telemetry (what peers, the router and the controller see).
         self.ppi = 0.0
+        self.prefill_busy_frac = 0.0  # BusyMeter.fraction at the last telemetry tick
         self.dpi_load = 0.0
         self.dpi_adm = 0.0
         self.queue_len_tel = 0
@@ -161,6 +165,11 @@ class SimWorker:
     def active_tokens(self) -> int:
         """Σ num_tokens over runnable requests (the real telemetry's C_active)."""
         return self.s_ctx + self.n_dec * self.k + self.pending_tokens + self.suffix_tokens
+
+    def prefill_busy_total_s(self, now_s: float) -> float:
+        """Seconds spent computing prompts up to ``now_s`` (the current one's share too)."""
+        running = now_s - self.prefill_started_s if self.current is not None else 0.0
+        return self.prefill_busy_s + running
 
     def queue_len(self) -> int:
         return len(self.queue) + (1 if self.current is not None else 0)

@@ -63,8 +63,11 @@ class PolicyConfig:
     # side's predicted DPI_load below DPI_load^high minus this margin, and the decode backlog
     # (running + waiting for admission) within decode_fill_target of the remaining decode
     # slots; a P->D move adds at least the workers that backlog needs.
-    d2p_load_margin: float = 0.1
-    decode_fill_target: float = 0.5
+    d2p_load_margin: float = 0.0
+    decode_fill_target: float = 0.75
+    # ADAPTIVE only: a P->D move must leave the prefill workers' predicted busy fraction
+    # (shared/policy/busy.py: Σ busy / (|P| − k)) below this; 0 = no bound.
+    p2d_busy_bound: float = 0.85
     # ADAPTIVE only: FluidRole reads DPI̅_adm as this percentile of its samples over window_s
     # (one per decision; 50 = the median, which ignores one-interval spikes — DPI_adm jumps
     # to 1 whenever the batch slots are full); 0 = the instantaneous value. The D->P guard
@@ -125,6 +128,8 @@ class PolicyConfig:
             raise PolicyConfigError("policy config: n_persist_blocked must be an int >= 1")
         if self.d2p_load_margin < 0:
             raise PolicyConfigError("policy config: d2p_load_margin must be >= 0")
+        if not 0.0 <= self.p2d_busy_bound <= 1.0:
+            raise PolicyConfigError("policy config: p2d_busy_bound must be in [0, 1]")
         if not 0.0 < self.decode_fill_target <= 1.0:
             raise PolicyConfigError("policy config: decode_fill_target must be in (0, 1]")
         if not 0.0 <= self.adm_smoothing_q <= 100.0:

@@ -77,6 +77,7 @@ class WorkerView:
     active_decode_requests: int = 0  # decode: D→P drain proxy
     kv_active_tokens: int = 0  # decode: tie-break for D→P
     running_prefill_tokens: int = 0  # prefill: P→D drain (prefill it must finish)
+    prefill_busy_frac: float = 0.0  # prefill: seconds computing per second (busy.py)
     queue_len: int = 0  # prefill: requests to reassign on P→D
     decode_waiting: int = 0  # decode: requests refused for capacity, waiting to be admitted
     max_decode_requests: int = 0  # decode: its batch limit (max_num_seqs; 0 = unknown)
@@ -145,6 +146,12 @@ def decode_demand(workers: Sequence[WorkerView]) -> DecodeDemand:
             requests += w.active_decode_requests + w.decode_waiting
             slots = max(slots, w.max_decode_requests)
     return DecodeDemand(requests, slots)
+
+
+def prefill_busy_mean(workers: Sequence[WorkerView]) -> float:
+    """Mean busy fraction (shared/policy/busy.py) of the Active prefill workers (0 if none)."""
+    vals = [w.prefill_busy_frac for w in workers if w.state == ACTIVE and w.role == PREFILL]
+    return sum(vals) / len(vals) if vals else 0.0
 
 
 def recommend(
@@ -298,10 +305,11 @@ class RolePolicy:
                 cfg,
                 decode_blocked=blocked,
                 demand=demand,
+                prefill_busy=prefill_busy_mean(workers),
             )
-            if k == 0:  # D→P: even one worker would leave decode over its predicted load
+            if k == 0:  # even one worker would leave its role over its predicted load
                 self._pending, self._count = NONE, 0
-                return out(NONE, "decode_headroom")
+                return out(NONE, "decode_headroom" if rec == D2P else "prefill_headroom")
         movers = pick_candidates(workers, rec, k)
         if not movers:  # unreachable: source_active >= 2
             return out(NONE, "no_candidate")

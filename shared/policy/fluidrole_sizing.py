@@ -84,6 +84,7 @@ def move_size(
     *,
     decode_blocked: bool = False,
     demand: DecodeDemand | None = None,
+    prefill_busy: float = 0.0,
 ) -> int:
     """Workers to move for ``action`` (D2P | P2D) under ADAPTIVE rules (module doc); 0 when
     the source role cannot give any (fewer than 2 Active workers) or, for D2P, when even one
@@ -108,13 +109,23 @@ def move_size(
         mid = 0.5 * (cfg.dpi_adm_high + adm_guard(cfg))
         need = math.ceil(n_decode * dpi_adm_bar / mid - n_decode - 1e-9) if n_decode else 1
         needed_d = demand.workers_needed(cfg.decode_fill_target)
-        need = max(need, needed_d - n_decode)
+        if needed_d and dpi_adm_bar >= cfg.dpi_adm_blocking:
+            # Full slots censor DPI_adm at 1: its gap says nothing of how much decode
+            # capacity is missing (it always asked for ~2.7x), the backlog does.
+            need = needed_d - n_decode
+        else:
+            need = max(need, needed_d - n_decode)
+        k_busy = cap
+        if cfg.p2d_busy_bound > 0:
+            k_busy = _largest_k(n_prefill, prefill_busy, cfg.p2d_busy_bound, cap)
+            if k_busy == 0:  # prefill has no capacity to give: both phases are short
+                return 0
         if decode_blocked:
             k_ppi = cap
         elif dpi_adm_bar >= cfg.dpi_adm_blocking:
             k_ppi = _largest_k(n_prefill, ppi_bar, cfg.ppi_high, cap)
         else:
             k_ppi = _largest_k(n_prefill, ppi_bar, cfg.ppi_low, cap)
-        k = min(need, k_ppi, cap, n_prefill - 1)
+        k = min(need, k_ppi, k_busy, cap, n_prefill - 1)
         return max(1, k)
     return 0
