@@ -155,6 +155,23 @@ async def test_deadline_expired_queued_work_is_dropped_and_its_blocks_freed(
     assert client.telemetry["de"].free_blocks == client.telemetry["de"].total_blocks
 
 
+async def test_prefill_busy_fraction_counts_a_running_step_and_falls_when_idle(
+    cluster: dict[str, str], client: BusClient
+) -> None:
+    # FluidRole's P->D bound reads this (shared/policy/busy.py): seconds computing per
+    # second over the policy window (5 s), published in the worker's telemetry.
+    def pe_busy(t: dict[str, WorkerTelemetry]) -> float:
+        return t["pe"].metrics.get("prefill_busy_frac", -1.0)
+
+    await client.wait_telemetry(lambda t: _idle(t) and 0.0 <= pe_busy(t) < 0.2, 30.0)
+    hog = await _hog(client)
+    # The hog's one ~3 s step counts while it runs, not only once it ends.
+    await client.wait_telemetry(lambda t: t["pe"].queue_len > 0 and pe_busy(t) >= 0.3, 20.0)
+    assert client.telemetry["de"].metrics["prefill_busy_frac"] == 0.0  # a decode worker
+    assert (await client.result(hog, timeout_s=30)).finish_reason == "length"
+    await client.wait_telemetry(lambda t: _idle(t) and pe_busy(t) < 0.2, 30.0)
+
+
 async def _router_metric(session: aiohttp.ClientSession, url: str, name: str, has: str) -> float:
     """The sum of the router's samples of metric ``name`` whose labels contain ``has``."""
     async with session.get(url + "/metrics") as r:

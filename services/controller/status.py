@@ -113,6 +113,9 @@ class WorkerBook:
                     active_decode_requests=tel.running,
                     kv_active_tokens=used_blocks * rec.kv_block_size,
                     running_prefill_tokens=int(tel.metrics.get("running_prefill_tokens", 0.0)),
+                    prefill_busy_frac=tel.metrics.get("prefill_busy_frac", 0.0)
+                    if role == PREFILL
+                    else 0.0,
                     queue_len=tel.queue_len,
                     # FluidRole's decode backlog (fluidrole.decode_demand): requests this
                     # decode worker refused for capacity and its batch limit.

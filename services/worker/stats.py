@@ -46,6 +46,7 @@ class PrefillStats:
     handed_off_tokens_total: int
     split_requests_total: int
     prefills_total: int
+    busy_s_total: float  # seconds spent computing prompts (FluidRole's busy fraction)
     expired_total: int
     admission_waiting: int  # requests waiting here for decode capacity
     decode_wait_timeouts_total: int

@@ -22,6 +22,7 @@ from services.worker.stats import DecodeStats, PrefillStats, SwitchStats
 from services.worker.status import WorkerStatus
 from shared.bus import Bus
 from shared.messages import StreamSequencer, Subjects, WorkerTelemetry
+from shared.policy.busy import BusyMeter
 from shared.policy.roles import DECODE
 
 log = structlog.get_logger(__name__)
@@ -57,6 +58,8 @@ class Telemetry:
         self._switch_stats = switch_stats
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None
+        # Prefill busy fraction over FluidRole's window (the controller reads it, P->D bound).
+        self._busy = BusyMeter(policy.policy.window_s)
 
     def start(self) -> None:
         self._task = asyncio.ensure_future(self._publish_loop())
@@ -76,6 +79,10 @@ class Telemetry:
         sig = policy.signals()
         now = time.monotonic()
         status = self._status
+        if status.role == DECODE:
+            self._busy.clear()  # back in prefill, the fraction restarts from its own samples
+        else:
+            self._busy.sample(now, pf.busy_s_total)
         budgets: dict[str, int] = {}
         if status.role == DECODE:
             offer = int(sig.steal_budget_tokens)
@@ -115,6 +122,7 @@ class Telemetry:
                 "receiving": float(dec.num_receiving),
                 "decode_iterations_total": float(dec.iterations_total),
                 "prefills_total": float(pf.prefills_total),
+                "prefill_busy_frac": self._busy.fraction(),
                 # Overload (docs/operations.md): queued prefill work in predicted seconds and
                 # T_pre's coefficients (the router predicts TTFT from them), requests waiting
                 # for decode capacity on either side, and what was dropped or timed out.

@@ -35,6 +35,10 @@ class BusyMeter:
         while len(samples) > 2 and samples[1][0] <= now_s - self.window_s:
             samples.popleft()
 
+    def clear(self) -> None:
+        """Forget every sample (the worker left the prefill role). Mutates."""
+        self._samples.clear()
+
     def fraction(self) -> float:
         """Busy seconds per second over the window, in [0, 1]; 0.0 before two samples."""
         if len(self._samples) < 2:
