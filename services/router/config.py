@@ -11,16 +11,18 @@ from dataclasses import dataclass, field
 from shared.bus.config import BusConfig
 from shared.policy.admission import (
     DEFAULT_DECODE_BACKLOG_BATCHES,
+    DEFAULT_EXPIRE_MARGIN_S,
     DEFAULT_TTFT_MULTIPLE,
+    STREAM_HOLD_SLACK_S,
     SheddingConfig,
 )
 
 PAIRING_POLICIES = ("pressure", "round_robin")
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-# The automatic stream-header hold: the TTFT SLO plus this. It covers the prefill worker's
-# default --expire-margin-s (DEFAULT_EXPIRE_MARGIN_S, 5 s) and ~10 s more for the drop to be
-# noticed (a worker checks expiry when it takes its next prompt) and to travel back.
-STREAM_HOLD_AUTO_MARGIN_S = 15.0
+# The automatic stream-header hold: the TTFT SLO plus this (15 s). It covers the prefill
+# worker's default --expire-margin-s and the slack for the drop to be noticed (a worker
+# checks expiry when it takes its next prompt) and to travel back.
+STREAM_HOLD_AUTO_MARGIN_S = DEFAULT_EXPIRE_MARGIN_S + STREAM_HOLD_SLACK_S
 
 
 def default_router_id() -> str:
