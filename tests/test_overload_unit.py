@@ -173,13 +173,13 @@ def test_gate_sheds_above_the_multiple_with_retry_after_and_never_when_off() -> 
 def test_gate_sheds_when_every_decode_worker_has_a_batch_of_requests_waiting() -> None:
     decode = [record("d1", max_num_seqs=4), record("d2", max_num_seqs=8)]
     g = AdmissionGate(
-        SheddingConfig(ttft_multiple=0.0, expire_margin_s=None),  # the TTFT rule off
+        # The TTFT rule off; the backlog rule at one batch.
+        SheddingConfig(ttft_multiple=0.0, expire_margin_s=None, decode_backlog_batches=1.0),
         1.0,
         lambda: ("p1",),
         stale_after_s=1.0,
         profile=PROFILE,
         decode_records=lambda: decode,
-        decode_backlog_batches=1.0,
     )
 
     def waiting(wid: str, n: int, seq: int) -> WorkerTelemetry:
@@ -199,7 +199,7 @@ def test_gate_sheds_when_every_decode_worker_has_a_batch_of_requests_waiting() -
     assert "decode worker" in info.value.message
     g.check(1000, now_s=1.5)  # stale: no longer evidence
     with pytest.raises(ValueError):
-        AdmissionGate(SheddingConfig(), 1.0, lambda: (), decode_backlog_batches=-1.0)
+        AdmissionGate(SheddingConfig(decode_backlog_batches=-1.0), 1.0, lambda: ())
 
 
 def test_failed_ends_before_any_token_map_to_503_with_retry_after() -> None:
@@ -241,8 +241,14 @@ def test_router_and_worker_flags_validate_and_bad_values_exit_2(
     assert RouterConfig(shed_ttft_multiple=0.0).shed_ttft_multiple == 0.0
     assert RouterConfig().shed_ttft_multiple == 2.0
     assert RouterConfig(shed_decode_backlog=0.0).shed_decode_backlog == 0.0
-    with pytest.raises(ValueError, match="shed_decode_backlog"):
-        RouterConfig(shed_decode_backlog=-1.0)
+    for bad_backlog in (-1.0, float("inf"), float("nan")):  # SheddingConfig's range
+        with pytest.raises(ValueError, match="shed_decode_backlog"):
+            RouterConfig(shed_decode_backlog=bad_backlog)
+    assert router_main(["--shed-decode-backlog", "inf"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1  # one line, not a traceback
+    # The gate gets both knobs in one SheddingConfig; expiry is the prefill workers'.
+    shedding = RouterConfig(shed_ttft_multiple=3.0, shed_decode_backlog=2.5).shedding
+    assert shedding == SheddingConfig(3.0, expire_margin_s=None, decode_backlog_batches=2.5)
     with pytest.raises(ValueError, match="shed_ttft_multiple"):
         RouterConfig(shed_ttft_multiple=0.5)
     assert router_main(["--shed-ttft-multiple", "0.5"]) == 2

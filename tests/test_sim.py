@@ -226,7 +226,7 @@ def test_sim_router_pressure_pairing_matches_the_real_policy() -> None:
     ppis = [0.0, 0.25, 0.5]
     for w, ppi in zip(workers[:3], ppis, strict=True):
         w.ppi = ppi
-    router = SimRouter(workers, "pressure", profile, ttft_s=1.0, block_size=16, max_num_seqs=64)
+    router = SimRouter(workers, "pressure", profile, ttft_s=1.0, max_num_seqs=64)
     reqs = [SimRequest(i, 0.0, 128, 128, "code", 0) for i in range(10)]
     sim_seq = [router.pick(PREFILL, req=r).wid for r in reqs]
 
@@ -260,7 +260,10 @@ def test_sim_router_pressure_pairing_matches_the_real_policy() -> None:
 
     # Decode: 256 tokens = 16 of 128 blocks = 0.125 per pairing; it stays counted across
     # ticks until the request's first token is out.
-    d_reqs = [SimRequest(i, 0.0, 128, 128, "code", 0) for i in range(3)]
+    def dreq(i: int) -> SimRequest:  # as Simulation makes it: 128 + 128 tokens in 16-token blocks
+        return SimRequest(i, 0.0, 128, 128, "code", 0, reserve_kv_tokens=256, reserve_blocks=16)
+
+    d_reqs = [dreq(i) for i in range(3)]
     got = []
     for r in d_reqs:
         d = router.pick(DECODE, req=r)
@@ -269,6 +272,6 @@ def test_sim_router_pressure_pairing_matches_the_real_policy() -> None:
     assert got == ["w003", "w004", "w003"]
     for w in workers:
         w.sent_since = 0  # a tick: the decode workers still report DPI_adm 0
-    assert router.pick(DECODE, req=SimRequest(9, 0.0, 128, 128, "code", 0)).wid == "w004"
+    assert router.pick(DECODE, req=dreq(9)).wid == "w004"
     d_reqs[0].t_first = 0.5  # first token out: settled
-    assert router.pick(DECODE, req=SimRequest(10, 0.0, 128, 128, "code", 0)).wid == "w003"
+    assert router.pick(DECODE, req=dreq(10)).wid == "w003"

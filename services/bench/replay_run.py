@@ -30,6 +30,7 @@ from services.bench.replay_telemetry import TelemetrySampler, to_trace_time
 from services.common.cluster import Cluster
 from services.common.cluster_spec import ClusterSpec
 from services.common.nats_server import free_port
+from shared.policy.admission import STREAM_HOLD_SLACK_S
 
 FLUIDTOKEN = {
     "static": False,
@@ -39,9 +40,6 @@ FLUIDTOKEN = {
     "full": True,
 }
 FLUIDROLE = {"static": False, "static-pressure": False, "token": False, "role": True, "full": True}
-# Trace seconds a stream's headers are held beyond TTFT SLO + expiry margin (the drop is
-# noticed when the prefill worker takes its next prompt, then travels back).
-HOLD_SLACK_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -101,8 +99,9 @@ def cluster_spec(spec: RunSpec) -> ClusterSpec:
     router_args += ("--shed-decode-backlog", f"{spec.shed_decode_backlog:g}")
     if margin >= 0:
         # A stream's headers wait past the (scaled) expiry, so a drop is a 503 (rejected),
-        # not an in-band error: the router's automatic hold assumes the default margin.
-        hold_s = (spec.slo_ttft_ms / 1000.0 + HOLD_SLACK_S) * spec.time_scale + margin
+        # not an in-band error: the router's automatic hold assumes the default margin. The
+        # slack beyond it is the router's own, in trace seconds.
+        hold_s = (spec.slo_ttft_ms / 1000.0 + STREAM_HOLD_SLACK_S) * spec.time_scale + margin
         router_args += ("--stream-header-hold-s", f"{hold_s:g}")
     if spec.config == "static":
         router_args += ("--pairing", "round_robin")

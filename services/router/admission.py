@@ -13,7 +13,8 @@ Decode backlog: a request the decode side cannot admit waits for it after its pr
 KV held on the prefill worker) and, past the workers' decode-wait timeout, fails after its
 200. So the gate also sheds when every Active decode worker with fresh telemetry already
 has ``decode_backlog_batches`` × its ``max_num_seqs`` requests waiting for admission
-(telemetry ``decode_waiting``): a newcomer would wait at least that many batch turnovers.
+(telemetry ``decode_waiting``): a newcomer would wait at least that many batch turnovers
+(``sheds_for_decode_backlog``, the rule the simulator applies too).
 Event loop only; mutates its own views and ledgers.
 """
 
@@ -32,6 +33,7 @@ from shared.policy.admission import (
     SheddingConfig,
     predicted_ttft_s,
     retry_after_s,
+    sheds_for_decode_backlog,
     should_shed,
 )
 from shared.policy.predictors import LatencyProfile
@@ -62,8 +64,10 @@ class Overloaded(Unavailable):
 
 
 class AdmissionGate:
-    """The router's shedding decision (module doc). ``prefill_ids()`` lists the Active
-    prefill workers (registry)."""
+    """The router's shedding decision (module doc) under ``shedding``: its
+    ``ttft_multiple`` and ``decode_backlog_batches`` (0 turns either rule off; its
+    ``expire_margin_s`` is the prefill workers' business). ``prefill_ids()`` lists the
+    Active prefill workers, ``decode_records()`` the Active decode workers (registry)."""
 
     def __init__(
         self,
@@ -74,12 +78,8 @@ class AdmissionGate:
         stale_after_s: float = 1.0,
         profile: LatencyProfile | None = None,
         decode_records: Callable[[], Iterable[WorkerRecord]] | None = None,
-        decode_backlog_batches: float = 0.0,
     ) -> None:
-        if not decode_backlog_batches >= 0.0:
-            raise ValueError("decode_backlog_batches must be >= 0 (0: off)")
         self._decode_records = decode_records
-        self.decode_backlog_batches = decode_backlog_batches
         self._decode_waiting: dict[str, tuple[float, float]] = {}  # id -> (mono s, waiting)
         self.shedding = shedding
         self.ttft_slo_s = ttft_slo_s
@@ -154,9 +154,9 @@ class AdmissionGate:
 
     def check(self, prompt_tokens: int, now_s: float | None = None) -> None:
         """Raises Overloaded (503, Retry-After) when the request should be shed."""
-        if self.decode_backlog_batches > 0:
+        if self.shedding.decode_backlog_batches > 0:  # else: no need to look at decode
             backlog = self.decode_backlog(now_s)
-            if backlog is not None and backlog >= self.decode_backlog_batches:
+            if backlog is not None and sheds_for_decode_backlog(backlog, self.shedding):
                 self.shed_total += 1
                 raise Overloaded(
                     f"the server is overloaded: every decode worker already has "

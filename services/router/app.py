@@ -38,7 +38,6 @@ from services.router.pressure_pairing import PressurePolicy, make_policy
 from shared.bus import Bus
 from shared.bus.registry_watcher import RegistryWatcher
 from shared.messages import Subjects, TokenBatch, WorkerRecord, WorkerTelemetry
-from shared.policy.admission import SheddingConfig
 from shared.policy.roles import ACTIVE, DECODE, PREFILL, ROLES, Role
 from shared.tokenizer import Tokenizer
 from shared.tokenizer.models import load_tokenizer
@@ -82,12 +81,11 @@ class Router(Service):
         self.gate: AdmissionGate | None = None
         if cfg.shed_ttft_multiple > 0 or cfg.shed_decode_backlog > 0:
             self.gate = AdmissionGate(
-                SheddingConfig(ttft_multiple=cfg.shed_ttft_multiple, expire_margin_s=None),
+                cfg.shedding,
                 cfg.ttft_slo_ms / 1000.0,
                 lambda: [r.worker_id for r in self.active_workers(PREFILL)],
                 stale_after_s=cfg.telemetry_stale_s,
                 decode_records=lambda: self.active_workers(DECODE),
-                decode_backlog_batches=cfg.shed_decode_backlog,
             )
         self.bus: Bus | None = None
         self.watcher: RegistryWatcher | None = None

@@ -9,14 +9,20 @@ import socket
 from dataclasses import dataclass, field
 
 from shared.bus.config import BusConfig
-from shared.policy.admission import DEFAULT_DECODE_BACKLOG_BATCHES, DEFAULT_TTFT_MULTIPLE
+from shared.policy.admission import (
+    DEFAULT_DECODE_BACKLOG_BATCHES,
+    DEFAULT_EXPIRE_MARGIN_S,
+    DEFAULT_TTFT_MULTIPLE,
+    STREAM_HOLD_SLACK_S,
+    SheddingConfig,
+)
 
 PAIRING_POLICIES = ("pressure", "round_robin")
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
-# The automatic stream-header hold: the TTFT SLO plus this. It covers the prefill worker's
-# default --expire-margin-s (DEFAULT_EXPIRE_MARGIN_S, 5 s) and ~10 s more for the drop to be
-# noticed (a worker checks expiry when it takes its next prompt) and to travel back.
-STREAM_HOLD_AUTO_MARGIN_S = 15.0
+# The automatic stream-header hold: the TTFT SLO plus this (15 s). It covers the prefill
+# worker's default --expire-margin-s and the slack for the drop to be noticed (a worker
+# checks expiry when it takes its next prompt) and to travel back.
+STREAM_HOLD_AUTO_MARGIN_S = DEFAULT_EXPIRE_MARGIN_S + STREAM_HOLD_SLACK_S
 
 
 def default_router_id() -> str:
@@ -76,9 +82,11 @@ class RouterConfig:
             raise ValueError(
                 f"shed_ttft_multiple must be 0 (off) or >= 1, got {self.shed_ttft_multiple}"
             )
-        if not self.shed_decode_backlog >= 0.0:
+        # Finite, as SheddingConfig requires (inf would never shed: say 0 for off).
+        if not (math.isfinite(self.shed_decode_backlog) and self.shed_decode_backlog >= 0.0):
             raise ValueError(
-                f"shed_decode_backlog must be >= 0 (0: off), got {self.shed_decode_backlog}"
+                f"shed_decode_backlog must be a finite number >= 0 (0: off), "
+                f"got {self.shed_decode_backlog}"
             )
         hold = self.stream_header_hold_s
         if hold is not None and not (math.isfinite(hold) and hold >= 0.0):
@@ -102,6 +110,16 @@ class RouterConfig:
         if self.stream_header_hold_s is not None:
             return self.stream_header_hold_s
         return self.ttft_slo_ms / 1000.0 + STREAM_HOLD_AUTO_MARGIN_S
+
+    @property
+    def shedding(self) -> SheddingConfig:
+        """The admission gate's rules (services/router/admission.py): the two shedding
+        knobs; expiry is the prefill workers' (no margin here). Pure."""
+        return SheddingConfig(
+            ttft_multiple=self.shed_ttft_multiple,
+            expire_margin_s=None,
+            decode_backlog_batches=self.shed_decode_backlog,
+        )
 
     @property
     def model_name(self) -> str:

@@ -38,6 +38,7 @@ from services.sim.telemetry import Telemetry
 from services.sim.workers import SimRequest, SimWorker, initial_workers
 from shared.policy.fluidtoken import StealBudget
 from shared.policy.predictors import LatencyProfile
+from shared.policy.pressure import admission_kv_tokens
 from shared.trace_request import TraceRequest
 
 
@@ -68,15 +69,10 @@ class Simulation(PrefillPath, DecodePath, Telemetry, ControlPlane):
             cfg.pairing,
             profile,
             cfg.policy.ttft_s,
-            cfg.block_size,
             cfg.max_num_seqs,
-            cfg.decode_reserve_tokens,
         )
         ordered = sorted(trace, key=lambda t: t.arrival_s)
-        self.reqs = [
-            SimRequest(i, t.arrival_s, t.prompt_tokens, t.output_tokens, t.source, t.window)
-            for i, t in enumerate(ordered)
-        ]
+        self.reqs = [self._request(i, t) for i, t in enumerate(ordered)]
         self.budgets: dict[str, StealBudget] = {}
         self.now = 0.0
         self.remaining = len(self.reqs)
@@ -91,6 +87,26 @@ class Simulation(PrefillPath, DecodePath, Telemetry, ControlPlane):
         self._max_ctx = profile.max_context_tokens
         self._kv_s_per_token = profile.kv_bytes_per_token / cfg.kv_bandwidth_bytes_per_s
         self.init_control()
+
+    def _request(self, idx: int, t: TraceRequest) -> SimRequest:
+        """The simulated request of trace entry ``t``, with the decode reservation every
+        admission, re-pair and pairing counts (the worker's formula, in blocks)."""
+        kv = admission_kv_tokens(
+            t.prompt_tokens,
+            t.output_tokens,
+            self.cfg.decode_reserve_tokens,
+            self.profile.max_context_tokens,
+        )
+        return SimRequest(
+            idx,
+            t.arrival_s,
+            t.prompt_tokens,
+            t.output_tokens,
+            t.source,
+            t.window,
+            reserve_kv_tokens=kv,
+            reserve_blocks=-(-kv // self.cfg.block_size),
+        )
 
     # ------------------------------------------------------------------ engine
     def push(self, t: float, kind: int, a: object, b: object = None) -> None:

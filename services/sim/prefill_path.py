@@ -47,7 +47,6 @@ from shared.policy.admission import (
 )
 from shared.policy.fluidtoken import select_steal_ratios
 from shared.policy.prefill_pressure import QueuedRequest
-from shared.policy.pressure import admission_kv_tokens
 from shared.policy.roles import DECODE, DRAIN, PREFILL
 
 if TYPE_CHECKING:
@@ -204,8 +203,7 @@ class PrefillPath:
         if sfx > 0 and sfx > self.steal_allowance(d, r.prompt - sfx):
             sfx = 0
             self.refused_steals += 1
-        kv = admission_kv_tokens(r.prompt, r.output, cfg.decode_reserve_tokens, self._max_ctx)
-        blocks = -(-kv // cfg.block_size)
+        blocks = r.reserve_blocks
         if d.free_blocks < blocks:
             return cfg.retry_no_blocks_s
         d.reserved_blocks += blocks
@@ -253,8 +251,7 @@ class PrefillPath:
         telemetry at most a tick old) and the waiting counts of the last tick."""
         cfg = self.cfg
         bs = cfg.block_size
-        kv = admission_kv_tokens(r.prompt, r.output, cfg.decode_reserve_tokens, self._max_ctx)
-        need = -(-kv // bs)
+        need = r.reserve_blocks
         best: SimWorker | None = None
         for x in self.workers:
             if x is d or not x.is_active(DECODE):

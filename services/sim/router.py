@@ -18,8 +18,9 @@ and the stale-telemetry fallback never applies. A tick shows here as the worker'
 ``sent_since`` counter reset to 0 (telemetry.py). Settled pairings are pruned off the front of
 each decode worker's list (pairing order), so one settled behind an unsettled one counts a
 little longer than in the real router (an approximation that keeps a pick O(workers)). The
-decode reservation counted is exactly what admission will reserve (admission_kv_tokens, the
-worker's formula; the simulated request's output is its max_tokens).
+decode reservation counted is exactly what admission will reserve (the request's
+``reserve_blocks``: admission_kv_tokens, the worker's formula, with the simulated request's
+output as its max_tokens).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from collections import deque
 from services.sim.workers import SimRequest, SimWorker
 from shared.policy.pairing import decode_score, prefill_score
 from shared.policy.predictors import LatencyProfile
-from shared.policy.pressure import admission_kv_tokens
 from shared.policy.roles import ACTIVE, DECODE, PREFILL, Role
 
 
@@ -46,17 +46,13 @@ class SimRouter:
         pairing: str,
         profile: LatencyProfile | None = None,
         ttft_s: float = 2.0,
-        block_size: int = 16,
         max_num_seqs: int = 0,
-        decode_reserve_tokens: int = 256,
     ) -> None:
         self.workers = workers
         self.pressure = pairing == "pressure"
         self.profile = profile
         self.ttft_s = ttft_s
-        self.block_size = block_size
         self.max_num_seqs = max_num_seqs
-        self.decode_reserve_tokens = decode_reserve_tokens
         self._cursor = {PREFILL: 0, DECODE: 0}
         # Since each worker's last telemetry (valid while its sent_since > 0).
         self._sent_work_s = [0.0] * len(workers)
@@ -126,10 +122,7 @@ class SimRouter:
         best = min(ids, key=key)
         best.sent_since += 1
         if req is not None and self.profile is not None:
-            tokens = admission_kv_tokens(
-                req.prompt, req.output, self.decode_reserve_tokens, self.profile.max_context_tokens
-            )
-            blocks = -(-tokens // self.block_size)
+            blocks = req.reserve_blocks
             self._pending[best.index].append((req, blocks))
             pend[best.index] += blocks
         return best

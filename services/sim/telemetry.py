@@ -32,7 +32,6 @@ from shared.policy.prefill_pressure import QueuedRequest, queue_ppi
 from shared.policy.pressure import (
     DecodeLoad,
     DecodePressure,
-    admission_kv_tokens,
     decode_load_from_pool,
     decode_pressure,
     dpi_adm,
@@ -89,14 +88,11 @@ class Telemetry:
         Mutates ``waiting_*_tel``."""
         for w in self.workers:
             w.waiting_tel = w.waiting_kv_tel = 0
-        cfg = self.cfg
         for w in self.workers:
             for r in w.adm_waiting.values():
                 d = self.workers[r.dw]
                 d.waiting_tel += 1
-                d.waiting_kv_tel += admission_kv_tokens(
-                    r.prompt, r.output, cfg.decode_reserve_tokens, self.profile.max_context_tokens
-                )
+                d.waiting_kv_tel += r.reserve_kv_tokens
 
     def decode_signals(self, d: SimWorker, n_peers: int) -> DecodePressure:
         return decode_pressure(

@@ -47,6 +47,8 @@ class SimRequest:
         "pw",
         "rejected",
         "request_id",
+        "reserve_blocks",
+        "reserve_kv_tokens",
         "sfx_done",
         "source",
         "suffix",
@@ -57,7 +59,16 @@ class SimRequest:
     )
 
     def __init__(
-        self, idx: int, arrival_s: float, prompt: int, output: int, source: str, window: int
+        self,
+        idx: int,
+        arrival_s: float,
+        prompt: int,
+        output: int,
+        source: str,
+        window: int,
+        *,
+        reserve_kv_tokens: int = 0,
+        reserve_blocks: int = 0,
     ) -> None:
         self.idx = idx
         self.arrival_s = arrival_s
@@ -72,6 +83,10 @@ class SimRequest:
         self.request_id = f"r{idx}"
         self.prompt_tokens = prompt
         self.decode_id = ""
+        # What a decode worker reserves when it admits this request (admission_kv_tokens,
+        # and in whole blocks): fixed per request, so computed once when it is created.
+        self.reserve_kv_tokens = reserve_kv_tokens
+        self.reserve_blocks = reserve_blocks
         self.blocks = 0  # KV blocks reserved/held on the decode worker
         # Prefill side: blocks its prompt (prefix) KV holds there from the start of its
         # prefill until the transfer ends; whether that prefill is done; since when it

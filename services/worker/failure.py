@@ -14,19 +14,20 @@ Here the worker
    and state meanwhile), then asks the process to exit with ``EXIT_ENGINE_FAILED`` so a
    supervisor (compose ``restart: unless-stopped``, systemd, Kubernetes) starts a fresh one.
 
-``FailurePath`` is what the runtime holds: the decode role calls its ``on_engine_failure``;
-``fatal`` is set once the process should exit with ``exit_status``.
+``FailurePath`` is what the runtime holds: the decode role calls its ``on_engine_failure``,
+which runs the steps above as a task; ``fatal`` is set once the process should exit with
+``exit_status``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
 import structlog
 
+from shared.aio import cancel_and_wait
 from shared.engine.block_manager import BlockManager
 from shared.policy.roles import FAILED, WorkerState
 
@@ -36,51 +37,9 @@ EXIT_ENGINE_FAILED = 3  # the worker's exit status after an engine failure
 _POLL_S = 0.02  # re-check period while cancelled receives release their blocks
 
 
-async def fail_worker(
-    error: str,
-    *,
-    worker_id: str,
-    stop_admitting: Callable[[], None],
-    set_state: Callable[[WorkerState, str], Awaitable[None]],
-    block_manager: BlockManager,
-    transfer_timeout_s: float,
-    heartbeat_s: float,
-    exit_with: Callable[[int], None],
-) -> None:
-    """Take the worker out of service after an engine failure, then ``exit_with`` the exit
-    status. Never raises (a failure to publish is logged; the exit still happens)."""
-    try:
-        stop_admitting()
-        await set_state(FAILED, f"engine failed: {error}")
-        bm = block_manager
-        deadline = time.monotonic() + transfer_timeout_s + 1.0
-        # A cancelled receive frees its reservation only once UCX let go of its buffers.
-        while bm.num_reserved_blocks and time.monotonic() < deadline:
-            await asyncio.sleep(_POLL_S)
-        integrity = "ok"
-        try:
-            bm.check_integrity()
-        except Exception as exc:  # reported, not raised: the process exits either way
-            integrity = f"{type(exc).__name__}: {exc}"
-        log.error(
-            "worker_failed",
-            worker_id=worker_id,
-            error=error,
-            free_blocks=bm.num_free_blocks,
-            usable_blocks=bm.num_usable_blocks,
-            reserved_blocks=bm.num_reserved_blocks,
-            integrity=integrity,
-            exit_status=EXIT_ENGINE_FAILED,
-        )
-        await asyncio.sleep(3 * heartbeat_s)  # a period: others see "failed"
-    except Exception:
-        log.exception("worker_fail_path_failed", worker_id=worker_id)
-    finally:
-        exit_with(EXIT_ENGINE_FAILED)
-
-
 class FailurePath:
-    """Runs ``fail_worker`` once an engine step failed. ``stop()`` (idempotent) cancels it."""
+    """Takes the worker out once an engine step failed (module doc). ``stop()``
+    (idempotent) cancels that."""
 
     def __init__(
         self,
@@ -104,26 +63,44 @@ class FailurePath:
 
     def on_engine_failure(self, exc: BaseException) -> None:
         """The decode role already ended its requests; take the worker out."""
-        failing = fail_worker(
-            type(exc).__name__,
-            worker_id=self.worker_id,
-            stop_admitting=self._stop_admitting,
-            set_state=self._set_state,
-            block_manager=self._bm,
-            transfer_timeout_s=self.transfer_timeout_s,
-            heartbeat_s=self.heartbeat_s,
-            exit_with=self._exit_with,
-        )
-        self._tasks.append(asyncio.ensure_future(failing))
+        self._tasks.append(asyncio.ensure_future(self._fail(type(exc).__name__)))
+
+    async def _fail(self, error: str) -> None:
+        """Steps 1-3 of the module doc, then ``fatal`` with ``EXIT_ENGINE_FAILED``. Never
+        raises (a failure to publish is logged; the exit still happens)."""
+        try:
+            self._stop_admitting()
+            await self._set_state(FAILED, f"engine failed: {error}")
+            bm = self._bm
+            deadline = time.monotonic() + self.transfer_timeout_s + 1.0
+            # A cancelled receive frees its reservation only once UCX let go of its buffers.
+            while bm.num_reserved_blocks and time.monotonic() < deadline:
+                await asyncio.sleep(_POLL_S)
+            integrity = "ok"
+            try:
+                bm.check_integrity()
+            except Exception as exc:  # reported, not raised: the process exits either way
+                integrity = f"{type(exc).__name__}: {exc}"
+            log.error(
+                "worker_failed",
+                worker_id=self.worker_id,
+                error=error,
+                free_blocks=bm.num_free_blocks,
+                usable_blocks=bm.num_usable_blocks,
+                reserved_blocks=bm.num_reserved_blocks,
+                integrity=integrity,
+                exit_status=EXIT_ENGINE_FAILED,
+            )
+            await asyncio.sleep(3 * self.heartbeat_s)  # a period: others see "failed"
+        except Exception:
+            log.exception("worker_fail_path_failed", worker_id=self.worker_id)
+        finally:
+            self._exit_with(EXIT_ENGINE_FAILED)
 
     def _exit_with(self, status: int) -> None:
         self.exit_status = status
         self.fatal.set()
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks)
         self._tasks = []

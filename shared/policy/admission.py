@@ -23,6 +23,11 @@ DEFAULT_TTFT_MULTIPLE = 2.0
 # has missed its SLO by 3.5x S_TTFT (2 s) already, and computing it delays every request
 # queued behind it; the robustness sweep (docs/results.md) is measured at this value.
 DEFAULT_EXPIRE_MARGIN_S = 5.0
+# A streamed response's headers wait this much past TTFT deadline + expiry margin: a drop is
+# noticed only when the prefill worker takes its next prompt, then travels back. The one
+# value of the router's automatic --stream-header-hold-s (S_TTFT + DEFAULT_EXPIRE_MARGIN_S +
+# this) and of the hold bench replay gives its routers (in trace seconds).
+STREAM_HOLD_SLACK_S = 10.0
 # The router sheds when every Active decode worker already has this many batches
 # (x its max_num_seqs) of requests waiting for decode admission: the one default of the
 # router's --shed-decode-backlog, the replay bench and the simulator.
