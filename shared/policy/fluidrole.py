@@ -36,8 +36,9 @@ Rules, in the order they are checked:
    pressure recommends P→D (``decode_admission_blocks_prefill``).
 6. the same recommendation must hold for N_persist consecutive intervals.
 7. never empty a role: the source role needs >= 2 Active workers (and keeps >= 1).
-8. PAPER moves one worker, ADAPTIVE ``move_size`` workers (for D→P possibly none:
-   ``decode_headroom`` — the decode side's predicted load after even one move is too high);
+8. PAPER moves one worker, ADAPTIVE ``move_size`` workers (possibly none: D→P
+   ``decode_headroom`` — the decode side's predicted load after even one move is too high;
+   P→D ``prefill_headroom`` — the prefill workers' predicted busy fraction would be);
    candidates with least expected
    drain: D→P — fewest active decode requests (the paper's
    proxy), then fewest KV tokens in use; P→D — least running prefill work (tokens), then

@@ -22,11 +22,18 @@ the move back:
   (DPI̅_adm >= DPI_adm^blocking: the demand is censored by the full slots, so the decode gap
   under-states it, and only PPI̅ > PPI_high moves workers back) — and not bounded at all
   when the saturated decode admission is what blocks prefill (``decode_blocked``, fluidrole
-  rule 5): PPI̅ then measures decode backpressure, not prefill work.
+  rule 5): PPI̅ then measures decode backpressure, not prefill work. When the slots are full
+  (DPI̅_adm >= DPI_adm^blocking) and the batch limit is known, k is what the backlog needs
+  alone: DPI̅_adm is censored at 1 there and its gap always asks for ~2.7x the decode
+  workers. Every P→D move is also bounded by the prefill workers' *predicted busy
+  fraction*, Σ busy / (|P| − k) < ``p2d_busy_bound`` (shared/policy/busy.py): PPI̅ is a
+  queue measure, near 0 whenever a queue happens to be empty, so it cannot tell how much
+  prefill capacity the arrivals use; the busy fraction can.
 
 P→D moves at least one worker when the rules recommend it (they checked k = 1's
-preconditions, eq. 23); every move is at most ``cfg.max_move_workers`` and leaves the source
-role at least one Active worker. Pure.
+preconditions, eq. 23) unless even one would leave prefill over its busy bound (0 = no
+move); every move is at most ``cfg.max_move_workers`` and leaves the source role at least
+one Active worker. Pure.
 """
 
 from __future__ import annotations
@@ -87,8 +94,9 @@ def move_size(
     prefill_busy: float = 0.0,
 ) -> int:
     """Workers to move for ``action`` (D2P | P2D) under ADAPTIVE rules (module doc); 0 when
-    the source role cannot give any (fewer than 2 Active workers) or, for D2P, when even one
-    worker would leave the decode side over its predicted-load bounds."""
+    the source role cannot give any (fewer than 2 Active workers) or when even one worker
+    would leave the other side over its predicted-load bounds (D2P: decode load, backlog;
+    P2D: ``prefill_busy``, the Active prefill workers' mean busy fraction)."""
     cap = cfg.max_move_workers
     demand = demand or DecodeDemand()
     if action == D2P:
