@@ -222,7 +222,9 @@ def test_sim_router_pressure_pairing_matches_the_real_policy() -> None:
     profile = dataclasses.replace(
         example_profile(), prefill_c1_s_per_token=1 / 1024, prefill_c0_s=0.0
     )
-    workers = initial_workers(5, 3, num_blocks=128)  # w000..w002 prefill, w003, w004 decode
+    workers = initial_workers(
+        5, 3, num_blocks=128, busy_window_s=5.0
+    )  # w000..w002 prefill, w003, w004 decode
     ppis = [0.0, 0.25, 0.5]
     for w, ppi in zip(workers[:3], ppis, strict=True):
         w.ppi = ppi

@@ -42,8 +42,10 @@ from shared.policy.admission import (
     DEFAULT_DECODE_BACKLOG_BATCHES,
     DEFAULT_EXPIRE_MARGIN_S,
     DEFAULT_TTFT_MULTIPLE,
+    SheddingConfig,
 )
 from shared.policy.config import ADAPTIVE, PAPER, RULE_SETS, PolicyConfig
+from shared.policy.errors import PolicyConfigError
 from shared.policy.predictors import LatencyProfile
 
 CONFIGS = ("static", "static-pressure", "token", "role", "full", "oracle")
@@ -125,10 +127,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error("--workers must be >= 2")
     if not a.time_scale > 0:
         ap.error("--time-scale must be > 0")
-    if not (a.shed_ttft_multiple == 0 or a.shed_ttft_multiple >= 1):
-        ap.error("--shed-ttft-multiple must be 0 (off) or >= 1")
-    if not a.shed_decode_backlog >= 0:
-        ap.error("--shed-decode-backlog must be >= 0 (0: off)")
+    try:  # the routers' own rules (RouterConfig.shedding), checked before anything starts
+        SheddingConfig(
+            ttft_multiple=a.shed_ttft_multiple,
+            expire_margin_s=None,
+            decode_backlog_batches=a.shed_decode_backlog,
+        )
+    except PolicyConfigError as exc:
+        ap.error(f"--shed-ttft-multiple / --shed-decode-backlog: {exc}")
     if a.engine == "torch" and a.time_scale != 1.0:
         ap.error("--time-scale applies to the emulated engine only (torch computes for real)")
     return a

@@ -79,9 +79,10 @@ class Router(Service):
             cfg.pairing, cfg.telemetry_stale_s, ttft_s=cfg.ttft_slo_ms / 1000.0
         )
         self.gate: AdmissionGate | None = None
-        if cfg.shed_ttft_multiple > 0 or cfg.shed_decode_backlog > 0:
+        shedding = cfg.shedding
+        if shedding.sheds or shedding.decode_backlog_batches > 0:
             self.gate = AdmissionGate(
-                cfg.shedding,
+                shedding,
                 cfg.ttft_slo_ms / 1000.0,
                 lambda: [r.worker_id for r in self.active_workers(PREFILL)],
                 stale_after_s=cfg.telemetry_stale_s,

@@ -16,6 +16,7 @@ from shared.policy.admission import (
     STREAM_HOLD_SLACK_S,
     SheddingConfig,
 )
+from shared.policy.errors import PolicyConfigError
 
 PAIRING_POLICIES = ("pressure", "round_robin")
 _ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -78,16 +79,13 @@ class RouterConfig:
             raise ValueError(f"pairing must be one of {PAIRING_POLICIES}, got {self.pairing!r}")
         if self.short_prompt_tokens < 0:
             raise ValueError("short_prompt_tokens must be >= 0")
-        if not (self.shed_ttft_multiple == 0.0 or self.shed_ttft_multiple >= 1.0):
+        try:  # SheddingConfig owns the rules of both knobs (the simulator's too)
+            self.shedding  # noqa: B018
+        except PolicyConfigError as exc:
             raise ValueError(
-                f"shed_ttft_multiple must be 0 (off) or >= 1, got {self.shed_ttft_multiple}"
-            )
-        # Finite, as SheddingConfig requires (inf would never shed: say 0 for off).
-        if not (math.isfinite(self.shed_decode_backlog) and self.shed_decode_backlog >= 0.0):
-            raise ValueError(
-                f"shed_decode_backlog must be a finite number >= 0 (0: off), "
-                f"got {self.shed_decode_backlog}"
-            )
+                f"shed_ttft_multiple={self.shed_ttft_multiple}, "
+                f"shed_decode_backlog={self.shed_decode_backlog}: {exc}"
+            ) from None
         hold = self.stream_header_hold_s
         if hold is not None and not (math.isfinite(hold) and hold >= 0.0):
             raise ValueError(

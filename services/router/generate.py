@@ -262,7 +262,8 @@ class GenerationHandler:
                     await send({**base, "choices": [first], **usage_null})
             open_choices = len(choices)
             while open_choices:
-                step, head = (head, None) if head is not None else (await steps.get(), None)
+                step = head if head is not None else await steps.get()
+                head = None
                 c, delta, end = step
                 if end is not None and end.failed:
                     if delta:

@@ -62,7 +62,7 @@ class Simulation(PrefillPath, DecodePath, Telemetry, ControlPlane):
         self.label = label
         num_blocks = cfg.num_kv_blocks or max(1, profile.kv_capacity_tokens // cfg.block_size)
         self.workers: list[SimWorker] = initial_workers(
-            cfg.workers, cfg.initial_prefill, num_blocks
+            cfg.workers, cfg.initial_prefill, num_blocks, cfg.policy.window_s
         )
         self.router = SimRouter(
             self.workers,

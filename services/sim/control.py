@@ -28,7 +28,6 @@ from services.sim.events import (
     E_TELEMETRY,
 )
 from services.sim.workers import SimRequest, SimWorker
-from shared.policy.busy import BusyMeter
 from shared.policy.fluidrole import ClusterSnapshot, RolePolicy, WorkerView
 from shared.policy.roles import ACTIVE, DECODE, DRAIN, PREFILL, SWITCH
 from shared.policy.window import KeyedWindows
@@ -59,7 +58,6 @@ class ControlPlane:
     def init_control(self) -> None:
         self.role_policy = RolePolicy(self.policy)
         self.ppi_windows = KeyedWindows(self.policy.window_s)
-        self.busy_meters: dict[str, BusyMeter] = {}  # prefill workers' (telemetry.py)
         self.switches: list[dict[str, Any]] = []
         self.migrations = 0
         self.stolen_since_sample = 0

@@ -82,6 +82,7 @@ class PrefillPath:
         def push(self, t: float, kind: int, a: object, b: object = None) -> None: ...
         def check_drain(self, w: SimWorker) -> None: ...
         def steal_allowance(self, d: SimWorker, context_tokens: int) -> int: ...
+        def waiting_by_decode(self) -> list[tuple[int, int]]: ...
 
     # ---------------------------------------------------------------- arrivals
     def _arrival(self) -> None:
@@ -114,13 +115,11 @@ class PrefillPath:
         is off (saves the count)."""
         if self.shed.decode_backlog_batches <= 0:
             return None
-        waiting = [0] * len(self.workers)
-        for w in self.workers:
-            for r in w.adm_waiting.values():
-                waiting[r.dw] += 1
+        waiting = self.waiting_by_decode()
         seqs = max(1, self.cfg.max_num_seqs)
         return min(
-            (waiting[w.index] / seqs for w in self.workers if w.is_active(DECODE)), default=None
+            (waiting[w.index][0] / seqs for w in self.workers if w.is_active(DECODE)),
+            default=None,
         )
 
     def _hopeless(self, p: SimWorker, r: SimRequest) -> bool:

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, cast
 
 from services.sim.events import E_SAMPLE, E_TELEMETRY
 from services.sim.workers import SimWorker
-from shared.policy.busy import BusyMeter
 from shared.policy.fluidtoken import StealBudget
 from shared.policy.prefill_pressure import QueuedRequest, queue_ppi
 from shared.policy.pressure import (
@@ -58,7 +57,6 @@ class Telemetry:
         workers: list[SimWorker]
         budgets: dict[str, StealBudget]
         ppi_windows: KeyedWindows
-        busy_meters: dict[str, BusyMeter]
         series: dict[str, list[float]]
         stolen_since_sample: int
         now: float
@@ -86,13 +84,18 @@ class Telemetry:
         retrying (``adm_waiting``: computing or computed, not admitted yet) and the KV they
         would reserve: the live decode worker's ``decode_waiting`` (WaitingAdmissions).
         Mutates ``waiting_*_tel``."""
-        for w in self.workers:
-            w.waiting_tel = w.waiting_kv_tel = 0
+        for w, (n, kv_tokens) in zip(self.workers, self.waiting_by_decode(), strict=True):
+            w.waiting_tel, w.waiting_kv_tel = n, kv_tokens
+
+    def waiting_by_decode(self) -> list[tuple[int, int]]:
+        """Per worker index: (requests waiting for its decode admission, their KV tokens),
+        read off the prefill workers' ``adm_waiting`` now. Pure."""
+        out = [(0, 0)] * len(self.workers)
         for w in self.workers:
             for r in w.adm_waiting.values():
-                d = self.workers[r.dw]
-                d.waiting_tel += 1
-                d.waiting_kv_tel += r.reserve_kv_tokens
+                n, kv_tokens = out[r.dw]
+                out[r.dw] = (n + 1, kv_tokens + r.reserve_kv_tokens)
+        return out
 
     def decode_signals(self, d: SimWorker, n_peers: int) -> DecodePressure:
         return decode_pressure(
@@ -136,7 +139,7 @@ class Telemetry:
                 self.budgets[w.wid] = StealBudget(float(int(offered)), now)
                 if cfg.fluidrole:
                     self.ppi_windows.forget(w.wid)
-                    self.busy_meters.pop(w.wid, None)
+                    w.busy_meter.clear()
                 continue
             self.budgets.pop(w.wid, None)
             cur = w.current
@@ -151,11 +154,8 @@ class Telemetry:
                 w.ppi = 0.0
             if cfg.fluidrole:
                 self.ppi_windows.add(w.wid, now, w.ppi)
-                meter = self.busy_meters.get(w.wid)
-                if meter is None:
-                    meter = self.busy_meters[w.wid] = BusyMeter(self.policy.window_s)
-                meter.sample(now, w.prefill_busy_total_s(now))
-                w.prefill_busy_frac = meter.fraction()
+                w.busy_meter.sample(now, w.prefill_busy_total_s(now))
+                w.prefill_busy_frac = w.busy_meter.fraction()
         if self.remaining:
             self.push(now + cfg.telemetry_interval_s, E_TELEMETRY, None)
 

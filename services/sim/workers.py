@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
+from shared.policy.busy import BusyMeter
 from shared.policy.roles import ACTIVE, DECODE, PREFILL
 
 
@@ -114,7 +115,7 @@ class SimRequest:
 class SimWorker:
     """Both sides of one worker. Plain attributes, mutated by the simulation."""
 
-    def __init__(self, index: int, role: str, num_blocks: int) -> None:
+    def __init__(self, index: int, role: str, num_blocks: int, busy_window_s: float) -> None:
         self.index = index
         self.wid = f"w{index:03d}"
         self.role = role
@@ -155,7 +156,10 @@ class SimWorker:
         self.iter_chunks: list[tuple[SimRequest, int]] = []
         # Latest telemetry (what peers, the router and the controller see).
         self.ppi = 0.0
-        self.prefill_busy_frac = 0.0  # BusyMeter.fraction at the last telemetry tick
+        # The prefill busy fraction (FluidRole's P->D bound): sampled at telemetry ticks in
+        # the prefill role, cleared in the decode role, like the live worker's telemetry.
+        self.busy_meter = BusyMeter(busy_window_s)
+        self.prefill_busy_frac = 0.0  # busy_meter.fraction() at the last telemetry tick
         self.dpi_load = 0.0
         self.dpi_adm = 0.0
         self.queue_len_tel = 0
@@ -228,6 +232,11 @@ class SimWorker:
         ]
 
 
-def initial_workers(n: int, n_prefill: int, num_blocks: int) -> list[SimWorker]:
+def initial_workers(
+    n: int, n_prefill: int, num_blocks: int, busy_window_s: float
+) -> list[SimWorker]:
     """Workers 0..n_prefill-1 start as prefill, the rest as decode."""
-    return [SimWorker(i, PREFILL if i < n_prefill else DECODE, num_blocks) for i in range(n)]
+    return [
+        SimWorker(i, PREFILL if i < n_prefill else DECODE, num_blocks, busy_window_s)
+        for i in range(n)
+    ]

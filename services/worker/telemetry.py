@@ -79,14 +79,13 @@ class Telemetry:
         sig = policy.signals()
         now = time.monotonic()
         status = self._status
-        if status.role == DECODE:
-            self._busy.clear()  # back in prefill, the fraction restarts from its own samples
-        else:
-            self._busy.sample(now, pf.busy_s_total)
         budgets: dict[str, int] = {}
         if status.role == DECODE:
+            self._busy.clear()  # back in prefill, the fraction restarts from its own samples
             offer = int(sig.steal_budget_tokens)
             budgets = {p: offer for p in self._peers.fresh_prefill_peers(now)}
+        else:
+            self._busy.sample(now, pf.busy_s_total)
         pool = dec.pool
         return WorkerTelemetry(
             publisher_id=self.worker_id,

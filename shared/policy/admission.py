@@ -54,7 +54,9 @@ class SheddingConfig:
         if self.expire_margin_s is not None and not self.expire_margin_s >= 0.0:
             raise PolicyConfigError("SheddingConfig: expire_margin_s must be >= 0 or None")
         if not self.decode_backlog_batches >= 0.0 or math.isinf(self.decode_backlog_batches):
-            raise PolicyConfigError("SheddingConfig: decode_backlog_batches must be >= 0 (0: off)")
+            raise PolicyConfigError(
+                "SheddingConfig: decode_backlog_batches must be a finite number >= 0 (0: off)"
+            )
 
     @property
     def sheds(self) -> bool:

@@ -115,14 +115,14 @@ def move_size(
         if n_prefill < 2:
             return 0
         mid = 0.5 * (cfg.dpi_adm_high + adm_guard(cfg))
-        need = math.ceil(n_decode * dpi_adm_bar / mid - n_decode - 1e-9) if n_decode else 1
         needed_d = demand.workers_needed(cfg.decode_fill_target)
         if needed_d and dpi_adm_bar >= cfg.dpi_adm_blocking:
             # Full slots censor DPI_adm at 1: its gap says nothing of how much decode
             # capacity is missing (it always asked for ~2.7x), the backlog does.
             need = needed_d - n_decode
         else:
-            need = max(need, needed_d - n_decode)
+            gap = math.ceil(n_decode * dpi_adm_bar / mid - n_decode - 1e-9) if n_decode else 1
+            need = max(gap, needed_d - n_decode)
         k_busy = cap
         if cfg.p2d_busy_bound > 0:
             k_busy = _largest_k(n_prefill, prefill_busy, cfg.p2d_busy_bound, cap)
