@@ -19,6 +19,7 @@ from services.router.admission import AdmissionGate, Overloaded
 from services.router.config import STREAM_HOLD_AUTO_MARGIN_S, RouterConfig
 from services.router.errors import end_to_error
 from services.router.streams import StreamEnd
+from services.sim.config import SimConfig
 from services.worker.config import WorkerConfig
 from services.worker.decode.decode_waiting import WaitingAdmissions, WaitingTotals
 from services.worker.decode_choice import DecodeView, pick_with_capacity
@@ -322,3 +323,17 @@ def test_replay_clusters_hold_stream_headers_past_the_scaled_expiry(tmp_path: Pa
         assert hold_s > (2.0 + margin_s) * scale, (scale, margin_s, hold_s)
     never = RunSpec("full", expire_margin_s=-1.0, out_dir=tmp_path)
     assert "--stream-header-hold-s" not in cluster_spec(never).router_args  # automatic
+
+
+def test_replay_cluster_defaults_match_the_simulator_shedding(tmp_path: Path) -> None:
+    """A RunSpec built without shedding knobs (the cross-check's emulated side) must shed and
+    expire exactly like the simulator's default SimConfig, scaled by --time-scale; a drifted
+    default made the two sides of the cross-check run different rules."""
+    sim = SimConfig(workers=8).shedding
+    spec = RunSpec("full", time_scale=2.0, out_dir=tmp_path)
+    workers, router = cluster_spec(spec).worker_args, cluster_spec(spec).router_args
+    assert sim.expire_margin_s is not None
+    margin_s = float(workers[workers.index("--expire-margin-s") + 1])
+    assert margin_s == sim.expire_margin_s * 2.0
+    assert float(router[router.index("--shed-ttft-multiple") + 1]) == sim.ttft_multiple
+    assert float(router[router.index("--shed-decode-backlog") + 1]) == sim.decode_backlog_batches

@@ -30,7 +30,12 @@ from services.bench.replay_telemetry import TelemetrySampler, to_trace_time
 from services.common.cluster import Cluster
 from services.common.cluster_spec import ClusterSpec
 from services.common.nats_server import free_port
-from shared.policy.admission import STREAM_HOLD_SLACK_S
+from shared.policy.admission import (
+    DEFAULT_DECODE_BACKLOG_BATCHES,
+    DEFAULT_EXPIRE_MARGIN_S,
+    DEFAULT_TTFT_MULTIPLE,
+    STREAM_HOLD_SLACK_S,
+)
 
 FLUIDTOKEN = {
     "static": False,
@@ -66,10 +71,11 @@ class RunSpec:
     ready_timeout_s: float = 300.0
     max_num_seqs: int = 64
     # Overload (docs/operations.md): the router's shedding multiple (0: off) and the prefill
-    # workers' expiry margin in trace seconds (< 0: off).
-    shed_ttft_multiple: float = 2.0
-    shed_decode_backlog: float = 1.0
-    expire_margin_s: float = 10.0
+    # workers' expiry margin in trace seconds (< 0: off). Defaults are the routers' and the
+    # simulator's own, so a RunSpec built without them (crosscheck) matches the sim side.
+    shed_ttft_multiple: float = DEFAULT_TTFT_MULTIPLE
+    shed_decode_backlog: float = DEFAULT_DECODE_BACKLOG_BATCHES
+    expire_margin_s: float = DEFAULT_EXPIRE_MARGIN_S
     paper_rules: bool = False  # the policy file says rules=paper: drain by waiting
 
     def __post_init__(self) -> None:
