@@ -68,6 +68,11 @@ class PolicyConfig:
     # ADAPTIVE only: a P->D move must leave the prefill workers' predicted busy fraction
     # (shared/policy/busy.py: Σ busy / (|P| − k)) below this; 0 = no bound.
     p2d_busy_bound: float = 0.85
+    # ADAPTIVE only: P->D also when DPI̅_load exceeds this (the decode batch nears its
+    # TPOT-safe size; eq. 23 reads DPI̅_adm only, which stays low until the slots are full)
+    # and prefill is idle (PPI̅ < PPI_low), sized to bring DPI̅_load back to DPI_load^high;
+    # 0 = off. Above DPI_load^high, so D->P's own load bound cannot move the workers back.
+    p2d_load_trigger: float = 0.8
     # ADAPTIVE only: FluidRole reads DPI̅_adm as this percentile of its samples over window_s
     # (one per decision; 50 = the median, which ignores one-interval spikes — DPI_adm jumps
     # to 1 whenever the batch slots are full); 0 = the instantaneous value. The D->P guard
@@ -128,6 +133,10 @@ class PolicyConfig:
             raise PolicyConfigError("policy config: n_persist_blocked must be an int >= 1")
         if self.d2p_load_margin < 0:
             raise PolicyConfigError("policy config: d2p_load_margin must be >= 0")
+        if self.p2d_load_trigger != 0 and self.p2d_load_trigger <= self.dpi_load_high:
+            raise PolicyConfigError(
+                "policy config: p2d_load_trigger must be 0 (off) or above dpi_load_high"
+            )
         if not 0.0 <= self.p2d_busy_bound <= 1.0:
             raise PolicyConfigError("policy config: p2d_busy_bound must be in [0, 1]")
         if not 0.0 < self.decode_fill_target <= 1.0:

@@ -25,15 +25,17 @@ Rules, in the order they are checked:
    ADAPTIVE reads DPI̅_adm smoothed like PPI̅: the ``adm_smoothing_q`` percentile (median)
    of the per-decision values over ``window_s`` (the instantaneous value jumps to 1 whenever
    the batch slots are full); its D→P guard reads the larger of smoothed and instantaneous.
-5. recommendation: D→P if PPI̅ > PPI_high ∧ DPI̅_load < DPI_load^high (eq. 22); else P→D if
+5. recommendation (fluidrole_rules.py): D→P if PPI̅ > PPI_high ∧ DPI̅_load < DPI_load^high (eq. 22); else P→D if
    DPI̅_adm > DPI_adm^high ∧ PPI̅ < PPI_low (eq. 23). Eq. 22 and 23 exclude each other when
    PPI_low <= PPI_high. If prefill needs capacity (PPI̅ > PPI_high) but eq. 22's decode
    guard fails (DPI̅_load >= DPI_load^high), both phases are pressured → no switch (reason
    ``both_phases_pressured``: insufficient aggregate capacity, a case for admission control).
    Decode pressured while prefill sits in the hysteresis band [PPI_low, PPI_high] →
    ``prefill_not_idle``. ADAPTIVE only: eq. 22 also needs DPI̅_adm below the admission
-   guard, and a saturated decode admission (DPI̅_adm >= DPI_adm^blocking) under prefill
-   pressure recommends P→D (``decode_admission_blocks_prefill``).
+   guard, a saturated decode admission (DPI̅_adm >= DPI_adm^blocking) under prefill
+   pressure recommends P→D (``decode_admission_blocks_prefill``), and so does a decode
+   batch near its TPOT-safe size (DPI̅_load > ``p2d_load_trigger``) while PPI̅ < PPI_low
+   (``decode_load_pressure``: DPI_adm only rises once the slots are full).
 6. the same recommendation must hold for N_persist consecutive intervals.
 7. never empty a role: the source role needs >= 2 Active workers (and keeps >= 1).
 8. PAPER moves one worker, ADAPTIVE ``move_size`` workers (possibly none: D→P
@@ -52,17 +54,19 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from shared.policy.config import PAPER, PolicyConfig
-from shared.policy.fluidrole_sizing import DecodeDemand, adm_guard, move_size
+
+# The rules (eq. 22–23 and extensions) live in fluidrole_rules.py; importable from here too.
+from shared.policy.fluidrole_rules import D2P as D2P
+from shared.policy.fluidrole_rules import NONE as NONE
+from shared.policy.fluidrole_rules import P2D as P2D
+from shared.policy.fluidrole_rules import recommend as recommend
+from shared.policy.fluidrole_sizing import DecodeDemand, move_size
 
 # The vocabulary is roles.py's; these names stay importable from here for the policy's users.
 from shared.policy.roles import ACTIVE, DECODE, PREFILL
 from shared.policy.roles import DRAIN as DRAIN
 from shared.policy.roles import SWITCH as SWITCH
 from shared.policy.window import SlidingWindow
-
-NONE = "none"
-D2P = "decode_to_prefill"
-P2D = "prefill_to_decode"
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,48 +157,6 @@ def prefill_busy_mean(workers: Sequence[WorkerView]) -> float:
     """Mean busy fraction (shared/policy/busy.py) of the Active prefill workers (0 if none)."""
     vals = [w.prefill_busy_frac for w in workers if w.state == ACTIVE and w.role == PREFILL]
     return sum(vals) / len(vals) if vals else 0.0
-
-
-def recommend(
-    ppi_bar: float,
-    dpi_load_bar: float,
-    dpi_adm_bar: float,
-    cfg: PolicyConfig,
-    *,
-    adm_guard_value: float | None = None,
-) -> tuple[str, str]:
-    """Eq. 22–23 plus the both-pressured rule: (recommendation, reason). ADAPTIVE's D→P
-    admission guard compares ``adm_guard_value`` (default: ``dpi_adm_bar``)."""
-    if cfg.rules == PAPER:  # the paper, literally
-        if ppi_bar > cfg.ppi_high and dpi_load_bar < cfg.dpi_load_high:
-            return D2P, "eq22_prefill_pressure"
-        if dpi_adm_bar > cfg.dpi_adm_high and ppi_bar < cfg.ppi_low:
-            return P2D, "eq23_decode_admission_pressure"
-        if ppi_bar > cfg.ppi_high:
-            return NONE, "both_phases_pressured"
-        if dpi_adm_bar > cfg.dpi_adm_high:
-            return NONE, "prefill_not_idle"
-        return NONE, "balanced"
-    guard_adm = dpi_adm_bar if adm_guard_value is None else adm_guard_value
-    if ppi_bar > cfg.ppi_high and dpi_load_bar < cfg.dpi_load_high and guard_adm < adm_guard(cfg):
-        # Eq. 22, unless the decode pool is short of admission headroom (extension): taking
-        # a decode worker away then only deepens the backpressure that built the backlog.
-        # The bound sits below dpi_adm_blocking (hysteresis) so P->D and D->P cannot chase
-        # each other around one threshold.
-        return D2P, "eq22_prefill_pressure"
-    if dpi_adm_bar > cfg.dpi_adm_high and ppi_bar < cfg.ppi_low:
-        return P2D, "eq23_decode_admission_pressure"
-    if ppi_bar > cfg.ppi_high:
-        if dpi_adm_bar >= cfg.dpi_adm_blocking:
-            # Extension (the paper's §IV-B ambiguity): a decode pool that has (nearly) no
-            # admission headroom left refuses the prefill queue's head, so the prefill
-            # backlog is decode backpressure, not prefill overload — only more decode
-            # capacity can drain it.
-            return P2D, "decode_admission_blocks_prefill"
-        return NONE, "both_phases_pressured"
-    if dpi_adm_bar > cfg.dpi_adm_high:
-        return NONE, "prefill_not_idle"
-    return NONE, "balanced"
 
 
 def pick_candidates(workers: Sequence[WorkerView], action: str, k: int) -> list[WorkerView]:

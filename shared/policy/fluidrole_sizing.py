@@ -16,8 +16,10 @@ the move back:
   workers send more requests to decode (a 5P3D → 7P1D move at DPI̅_load 0.08 saturated the
   one decode worker within 20 s on azure-mixed). Unlike the other bounds these also refuse
   k = 1 (0 = no move).
-* P→D: k = the larger of ⌈|D|·DPI̅_adm / ADM_mid − |D|⌉ (ADM_mid = (DPI_adm^high + guard)
-  / 2) and the workers the decode backlog needs at ``decode_fill_target``, bounded by
+* P→D: k = the largest of ⌈|D|·DPI̅_adm / ADM_mid − |D|⌉ (ADM_mid = (DPI_adm^high + guard)
+  / 2), the workers the decode backlog needs at ``decode_fill_target`` and, when DPI̅_load
+  is over DPI_load^high (with ``p2d_load_trigger`` on), ⌈|D|·DPI̅_load / DPI_load^high −
+  |D|⌉ (the workers that bring the decode load back under its bound), bounded by
   |P|·PPI̅ / (|P| − k) < PPI_low — or < PPI_high when decode admission is saturated
   (DPI̅_adm >= DPI_adm^blocking: the demand is censored by the full slots, so the decode gap
   under-states it, and only PPI̅ > PPI_high moves workers back) — and not bounded at all
@@ -123,6 +125,10 @@ def move_size(
         else:
             gap = math.ceil(n_decode * dpi_adm_bar / mid - n_decode - 1e-9) if n_decode else 1
             need = max(gap, needed_d - n_decode)
+        if cfg.p2d_load_trigger > 0 and n_decode and dpi_load_bar > cfg.dpi_load_high:
+            # Decode load over its bound: enough workers to bring it back under it.
+            load_gap = n_decode * dpi_load_bar / cfg.dpi_load_high - n_decode
+            need = max(need, math.ceil(load_gap - 1e-9))
         k_busy = cap
         if cfg.p2d_busy_bound > 0:
             k_busy = _largest_k(n_prefill, prefill_busy, cfg.p2d_busy_bound, cap)

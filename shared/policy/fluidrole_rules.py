@@ -1,0 +1,55 @@
+"""FluidRole's recommendation (shared/policy/fluidrole.py rule 5): eq. 22–23 and, under
+ADAPTIVE rules, the extensions documented there. Pure."""
+
+from __future__ import annotations
+
+from shared.policy.config import PAPER, PolicyConfig
+from shared.policy.fluidrole_sizing import D2P, P2D, adm_guard
+
+NONE = "none"
+
+
+def recommend(
+    ppi_bar: float,
+    dpi_load_bar: float,
+    dpi_adm_bar: float,
+    cfg: PolicyConfig,
+    *,
+    adm_guard_value: float | None = None,
+) -> tuple[str, str]:
+    """Eq. 22–23 plus the both-pressured rule: (recommendation, reason). ADAPTIVE's D→P
+    admission guard compares ``adm_guard_value`` (default: ``dpi_adm_bar``)."""
+    if cfg.rules == PAPER:  # the paper, literally
+        if ppi_bar > cfg.ppi_high and dpi_load_bar < cfg.dpi_load_high:
+            return D2P, "eq22_prefill_pressure"
+        if dpi_adm_bar > cfg.dpi_adm_high and ppi_bar < cfg.ppi_low:
+            return P2D, "eq23_decode_admission_pressure"
+        if ppi_bar > cfg.ppi_high:
+            return NONE, "both_phases_pressured"
+        if dpi_adm_bar > cfg.dpi_adm_high:
+            return NONE, "prefill_not_idle"
+        return NONE, "balanced"
+    guard_adm = dpi_adm_bar if adm_guard_value is None else adm_guard_value
+    if ppi_bar > cfg.ppi_high and dpi_load_bar < cfg.dpi_load_high and guard_adm < adm_guard(cfg):
+        # Eq. 22, unless the decode pool is short of admission headroom (extension): taking
+        # a decode worker away then only deepens the backpressure that built the backlog.
+        # The bound sits below dpi_adm_blocking (hysteresis) so P->D and D->P cannot chase
+        # each other around one threshold.
+        return D2P, "eq22_prefill_pressure"
+    if dpi_adm_bar > cfg.dpi_adm_high and ppi_bar < cfg.ppi_low:
+        return P2D, "eq23_decode_admission_pressure"
+    if 0 < cfg.p2d_load_trigger < dpi_load_bar and ppi_bar < cfg.ppi_low:
+        # Extension: the decode batch nears its TPOT-safe size while admission still has
+        # room (DPI_adm only rises once the slots are full, after TPOT is already missed).
+        return P2D, "decode_load_pressure"
+    if ppi_bar > cfg.ppi_high:
+        if dpi_adm_bar >= cfg.dpi_adm_blocking:
+            # Extension (the paper's §IV-B ambiguity): a decode pool that has (nearly) no
+            # admission headroom left refuses the prefill queue's head, so the prefill
+            # backlog is decode backpressure, not prefill overload — only more decode
+            # capacity can drain it.
+            return P2D, "decode_admission_blocks_prefill"
+        return NONE, "both_phases_pressured"
+    if dpi_adm_bar > cfg.dpi_adm_high or 0 < cfg.p2d_load_trigger < dpi_load_bar:
+        return NONE, "prefill_not_idle"
+    return NONE, "balanced"
