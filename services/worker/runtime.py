@@ -101,7 +101,6 @@ class WorkerRuntime(Service):
         )
         self.failure = FailurePath(
             wid,
-            stop_admitting=self._stop_admitting,
             set_state=self.announcer.set_state,
             block_manager=engine.block_manager,
             transfer_timeout_s=cfg.transfer_timeout_s,
@@ -290,7 +289,3 @@ class WorkerRuntime(Service):
     @property
     def exit_status(self) -> int:
         return self.failure.exit_status
-
-    def _stop_admitting(self) -> None:
-        # Prefill work is refused by state (handlers.py); decode admission has its own gate.
-        self.decode.set_admitting(False)
