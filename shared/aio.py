@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterable
 from typing import Any, TypeVar
 
 import structlog
@@ -33,17 +33,24 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coro)
 
 
-async def cancel_and_wait(tasks: list[asyncio.Task[None]], timeout_s: float = 5.0) -> None:
-    """Cancel ``tasks`` and wait for them to end, cancelling again while they run.
+async def cancel_and_wait(tasks: Iterable[asyncio.Task[Any]], timeout_s: float = 5.0) -> None:
+    """Cancel ``tasks`` and wait (at most ``timeout_s``) for them to end, cancelling again
+    while they run. A task's own exception is retrieved and dropped (so asyncio does not log
+    it as never retrieved), never raised here; tasks still running at the deadline are
+    logged and left. Only the caller's own cancellation propagates.
 
     Python 3.11's asyncio.wait_for (used inside nats-py) can swallow a cancellation when
     the awaited future completes at the same moment; a single cancel() is then lost.
     """
+    given = list(tasks)
     deadline = time.monotonic() + timeout_s
-    pending = {t for t in tasks if not t.done()}
+    pending = {t for t in given if not t.done()}
     while pending and time.monotonic() < deadline:
         for task in pending:
             task.cancel()
         _, pending = await asyncio.wait(pending, timeout=0.05)
+    for task in given:
+        if task.done() and not task.cancelled():
+            task.exception()
     if pending:
         log.warning("aio.tasks_not_stopped", count=len(pending))

@@ -8,40 +8,20 @@ from services.controller.status import WorkerBook
 from shared.messages import Role, WorkerRecord, WorkerTelemetry
 from shared.policy.fluidrole import decode_demand
 from shared.policy.fluidrole_sizing import DecodeDemand
+from tests.support.worker_messages import worker_record, worker_telemetry
 
 
 def record(worker_id: str, role: Role, max_num_seqs: int) -> WorkerRecord:
-    return WorkerRecord(
-        worker_id=worker_id,
-        role=role,
-        state="active",
-        pid=1,
-        host="h",
-        model="m",
-        fingerprint="f",
-        kv_total_blocks=128,
-        kv_block_size=16,
-        max_model_len=4096,
-        started_at_s=0.0,
-        heartbeat_at_s=0.0,
-        heartbeat_period_s=1.0,
-        decode_reserve_tokens=32,
-        max_num_seqs=max_num_seqs,
-    )
+    return worker_record(worker_id, role, decode_reserve_tokens=32, max_num_seqs=max_num_seqs)
 
 
 def telemetry(worker_id: str, role: Role, running: int, waiting: float) -> WorkerTelemetry:
-    return WorkerTelemetry(
-        publisher_id=worker_id,
-        epoch=1,
-        seq=0,
-        time_s=0.0,
-        role=role,
-        state="active",
+    return worker_telemetry(
+        worker_id,
+        role,
         queue_len=3 if role == "prefill" else 0,
         running=running,
         free_blocks=100,
-        total_blocks=128,
         ppi=0.5,
         dpi_load=0.2,
         dpi_adm=0.3,

@@ -1,38 +1,56 @@
-"""FailurePath (services/worker/failure.py) on its own: what it does after an engine failure
-and that ``stop()`` cancels it. The whole path on real processes is test_fail_engine.py."""
+"""The engine-failure sequence on one decode worker, in-process: ``DecodeRole._fail_all``
+(ends every request, frees blocks, stops admitting) then FailurePath
+(services/worker/failure.py: ``failed``, integrity check, exit status), and that
+``FailurePath.stop()`` cancels it. The whole path on real processes is test_fail_engine.py."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
+import pytest
+import pytest_asyncio
+
+from services.worker.config import WorkerConfig
+from services.worker.decode.decode_role import DecodeRole
+from services.worker.engine_factory import build_engine
 from services.worker.failure import EXIT_ENGINE_FAILED, FailurePath
+from services.worker.token_stream import TokenStreamer
+from services.worker.transfer_endpoints import open_transfer
+from shared.aio import cancel_and_wait
 from shared.engine.block_manager import BlockManager
-from shared.policy.roles import FAILED, WorkerState
+from shared.messages import (
+    AdmitRequest,
+    PrefillRequest,
+    SamplingParams,
+    StreamSequencer,
+    TokenBatch,
+)
+from shared.policy.roles import DECODE, FAILED, WorkerState
 
 
 class Recorder:
-    """The runtime's side: what the failure path asked it to do."""
+    """The runtime's side: the states the failure path wrote."""
 
     def __init__(self) -> None:
-        self.stopped_admitting = 0
         self.states: list[tuple[WorkerState, str]] = []
         self.state_set = asyncio.Event()
-
-    def stop_admitting(self) -> None:
-        self.stopped_admitting += 1
 
     async def set_state(self, state: WorkerState, reason: str) -> None:
         self.states.append((state, reason))
         self.state_set.set()
 
 
-def failure_path(rec: Recorder, heartbeat_s: float) -> FailurePath:
+def failure_path(rec: Recorder, heartbeat_s: float, bm: BlockManager | None = None) -> FailurePath:
     return FailurePath(
         "d0",
-        stop_admitting=rec.stop_admitting,
         set_state=rec.set_state,
-        block_manager=BlockManager(num_blocks=8, block_size=4),
+        block_manager=bm or BlockManager(num_blocks=8, block_size=4),
         transfer_timeout_s=1.0,
         heartbeat_s=heartbeat_s,
     )
@@ -45,7 +63,6 @@ async def test_engine_failure_marks_the_worker_failed_then_asks_to_exit() -> Non
     path.on_engine_failure(RuntimeError("CUDA error: an illegal memory access"))
     await asyncio.wait_for(path.fatal.wait(), timeout=10.0)
     assert path.exit_status == EXIT_ENGINE_FAILED
-    assert rec.stopped_admitting == 1
     assert rec.states == [(FAILED, "engine failed: RuntimeError")]  # the type, not the text
     await path.stop()
 
@@ -60,3 +77,93 @@ async def test_stop_cancels_a_failure_path_in_progress_and_is_idempotent() -> No
     assert time.monotonic() - started < 5.0  # cancelled, not waited out
     await path.stop()
     assert rec.states == [(FAILED, "engine failed: RuntimeError")]
+
+
+@dataclass
+class FailingDecode:
+    """A decode role wired as the runtime wires it (emulated tiny engine, a real UCX
+    receiver) whose ``on_engine_failure`` is a FailurePath."""
+
+    role: DecodeRole
+    path: FailurePath
+    rec: Recorder
+    streamer: TokenStreamer
+
+
+@pytest_asyncio.fixture
+async def decode() -> AsyncIterator[FailingDecode]:
+    cfg = WorkerConfig(
+        worker_id="d0", role=DECODE, engine="emulated", num_kv_blocks=32, cluster_secret="s" * 32
+    )
+    engine = build_engine(cfg)
+    rec = Recorder()
+    path = failure_path(rec, heartbeat_s=0.01, bm=engine.block_manager)
+    streamer = TokenStreamer(StreamSequencer("d0"))
+    async with contextlib.AsyncExitStack() as stack:
+        executor = stack.enter_context(ThreadPoolExecutor(1))
+        receiver = (await open_transfer(cfg, engine, stack)).receiver
+        role = DecodeRole(
+            engine,
+            receiver,
+            streamer,
+            executor,
+            lambda: None,
+            transfer_timeout_s=1.0,
+            max_num_seqs=8,
+            on_engine_failure=path.on_engine_failure,
+        )
+        loop_task = asyncio.ensure_future(role.run())
+        try:
+            yield FailingDecode(role, path, rec, streamer)
+        finally:
+            await cancel_and_wait([loop_task])
+            await path.stop()
+
+
+def _raise(*_args: Any) -> Any:
+    raise RuntimeError("CUDA out of memory (fault injected by the test)")
+
+
+async def test_after_the_whole_failure_sequence_the_worker_admits_nothing(
+    decode: FailingDecode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    role, sampling = decode.role, SamplingParams(max_tokens=4)
+    assert role.intake.admitting  # open before the fault
+    monkeypatch.setattr(role.engine, "step_full", _raise)  # the GPU fault
+    now = time.time()
+    role.serve_local(
+        PrefillRequest(
+            request_id="r1",
+            router_id="rt",
+            prompt_token_ids=(1, 2, 3, 4, 5),
+            sampling=sampling,
+            decode_worker_id="d0",
+            arrival_time_s=now,
+            ttft_deadline_s=now + 10.0,
+            tokens_subject="tokens.rt",
+        )
+    )
+    await asyncio.wait_for(decode.path.fatal.wait(), timeout=10.0)
+    assert decode.path.exit_status == EXIT_ENGINE_FAILED
+    assert decode.rec.states == [(FAILED, "engine failed: RuntimeError")]
+    batches = [batch for _, batch in decode.streamer.take()]
+    assert all(isinstance(b, TokenBatch) for b in batches)
+    items = [i for b in batches if isinstance(b, TokenBatch) for i in b.items]
+    assert [(i.request_id, i.error_code) for i in items if i.error_code] == [
+        ("r1", "engine_failed")
+    ]
+    reply = role.admit(
+        AdmitRequest(
+            request_id="late",
+            router_id="rt",
+            prompt_len=5,
+            max_tokens=4,
+            prefill_worker_id="p0",
+            sampling=sampling,
+            tokens_subject="tokens.rt",
+        )
+    )
+    assert not reply.ok and reply.error == "worker is not admitting decode work", reply
+    bm = role.bm
+    assert bm.num_free_blocks == bm.num_usable_blocks
+    bm.check_integrity()

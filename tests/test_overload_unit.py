@@ -27,28 +27,13 @@ from services.worker.main import main as worker_main
 from shared.engine.profiles import load_profile
 from shared.messages import Role, WorkerRecord, WorkerTelemetry
 from shared.policy.admission import DEFAULT_EXPIRE_MARGIN_S, SheddingConfig
+from tests.support.worker_messages import worker_record, worker_telemetry
 
 PROFILE = load_profile("")  # T_pre(L) = 93.5 us * L + 15 ms
 
 
 def record(worker_id: str, role: Role = "decode", *, max_num_seqs: int = 4) -> WorkerRecord:
-    return WorkerRecord(
-        worker_id=worker_id,
-        role=role,
-        state="active",
-        pid=1,
-        host="h",
-        model="m",
-        fingerprint="f",
-        kv_total_blocks=128,
-        kv_block_size=16,
-        max_model_len=4096,
-        started_at_s=0.0,
-        heartbeat_at_s=0.0,
-        heartbeat_period_s=1.0,
-        decode_reserve_tokens=32,
-        max_num_seqs=max_num_seqs,
-    )
+    return worker_record(worker_id, role, decode_reserve_tokens=32, max_num_seqs=max_num_seqs)
 
 
 def telemetry(
@@ -56,22 +41,7 @@ def telemetry(
 ) -> WorkerTelemetry:
     metrics = {} if queue_work_s is None else {"queue_work_s": queue_work_s}
     metrics |= {"prefill_c1_s_per_token": 1e-3, "prefill_c0_s": 0.01}
-    return WorkerTelemetry(
-        publisher_id=worker_id,
-        epoch=1,
-        seq=seq,
-        time_s=0.0,
-        role=role,
-        state="active",
-        queue_len=0,
-        running=0,
-        free_blocks=128,
-        total_blocks=128,
-        ppi=0.0,
-        dpi_load=0.0,
-        dpi_adm=0.0,
-        metrics=metrics,
-    )
+    return worker_telemetry(worker_id, role, seq=seq, metrics=metrics)
 
 
 # ------------------------------------------------------------------- waiting admissions

@@ -18,54 +18,26 @@ from services.router.pressure_pairing import (
     PressurePolicy,
     make_policy,
 )
-from shared.messages import Role, WorkerRecord, WorkerTelemetry
+from shared.messages import Role, WorkerTelemetry
 from shared.policy.pairing import decode_score, prefill_score
 from shared.policy.predictors import example_profile
+from tests.support.worker_messages import worker_record, worker_telemetry
 
 PROFILE = dataclasses.replace(example_profile(), prefill_c1_s_per_token=1 / 1024, prefill_c0_s=0.0)
 T0 = 1000.0  # monotonic seconds of the first telemetry in each test
 
 
-def record(worker_id: str, role: Role) -> WorkerRecord:
-    return WorkerRecord(
-        worker_id=worker_id,
-        role=role,
-        state="active",
-        pid=1,
-        host="h",
-        model="m",
-        fingerprint="f",
-        kv_total_blocks=128,
-        kv_block_size=16,
-        max_model_len=4096,
-        started_at_s=0.0,
-        heartbeat_at_s=0.0,
-        heartbeat_period_s=1.0,
-    )
-
-
 def telemetry(
     worker_id: str, role: Role, *, seq: int = 0, ppi: float = 0.0, dpi_adm: float = 0.0
 ) -> WorkerTelemetry:
-    return WorkerTelemetry(
-        publisher_id=worker_id,
-        epoch=1,
-        seq=seq,
-        time_s=0.0,
-        role=role,
-        state="active",
-        queue_len=0,
-        running=0,
-        free_blocks=round(128 * (1 - dpi_adm)),
-        total_blocks=128,
-        ppi=ppi,
-        dpi_load=0.0,
-        dpi_adm=dpi_adm,
+    free_blocks = round(128 * (1 - dpi_adm))
+    return worker_telemetry(
+        worker_id, role, seq=seq, free_blocks=free_blocks, ppi=ppi, dpi_adm=dpi_adm
     )
 
 
-P = [record("p1", "prefill"), record("p2", "prefill"), record("p3", "prefill")]
-D = [record("d1", "decode"), record("d2", "decode")]
+P = [worker_record("p1", "prefill"), worker_record("p2", "prefill"), worker_record("p3", "prefill")]
+D = [worker_record("d1", "decode"), worker_record("d2", "decode")]
 
 
 def policy(**kw: float) -> PressurePolicy:
@@ -107,8 +79,8 @@ def test_decode_horizon_and_slots_come_from_each_workers_record() -> None:
     # with 128-token prompts and max_tokens 1024, a pairing costs d1 24 of 128 blocks
     # (+0.1875) and d2 72 (+0.5625), so d1 takes the larger share of a burst.
     wide = [
-        record("d1", "decode"),
-        dataclasses.replace(record("d2", "decode"), decode_reserve_tokens=1024),
+        worker_record("d1", "decode"),
+        worker_record("d2", "decode", decode_reserve_tokens=1024),
     ]
     pol = policy()
     seed(pol)
@@ -118,7 +90,7 @@ def test_decode_horizon_and_slots_come_from_each_workers_record() -> None:
     ]
     assert got == ["d1", "d2", "d1", "d1", "d2", "d1", "d1", "d1"]
     # d1 admits 2 requests at a time (its --max-num-seqs), d2 64: d1's slots fill at once.
-    narrow = [dataclasses.replace(record("d1", "decode"), max_num_seqs=2), record("d2", "decode")]
+    narrow = [worker_record("d1", "decode", max_num_seqs=2), worker_record("d2", "decode")]
     pol = policy()
     seed(pol)
     pol.observe(telemetry("d2", "decode", seq=1, dpi_adm=0.0), now_mono_s=T0)

@@ -73,11 +73,10 @@ class Choice:
         before = self.text.num_tokens
         pieces.append(self.text.push(chunk.token_ids, chunk.receive_times_s))
         taken = self.text.num_tokens - before
-        if chunk.logprobs:  # also when only the router asked (best_of ranking)
-            lps = chunk.logprobs[:taken]
-            self.cumulative_logprob += sum(lp.logprob for lp in lps if lp is not None)
+        lps = chunk.logprobs[:taken]  # empty unless asked (by the client, or best_of ranking)
+        self.cumulative_logprob += sum(lp.logprob for lp in lps if lp is not None)
         if self.logprobs is not None:
-            for tok, lp in zip(chunk.token_ids[:taken], chunk.logprobs[:taken], strict=True):
+            for tok, lp in zip(chunk.token_ids[:taken], lps, strict=True):
                 self.logprobs.add(tok, lp)
         return pieces
 

@@ -2,12 +2,13 @@
 
 A failed step leaves the engine in an unknown state (a CUDA error is sticky; an OOM can
 leave allocator state behind), so the worker does not try to serve on: the decode role has
-already ended every request with an ``engine_failed`` error item and freed their blocks.
-Here the worker
+already ended every request with an ``engine_failed`` error item, freed their blocks and
+stopped admitting decode work (``DecodeRole._fail_all``, the one caller). Here the worker
 
-1. stops admitting work of either role and writes state ``failed`` to the registry and the
-   state events (routers and prefill workers pair only with ``active`` workers, so it leaves
-   the serving set at once; ``fluidpd ctl status`` shows ``failed``);
+1. writes state ``failed`` to the registry and the state events (terminal; the handlers
+   refuse work of either role in any state but ``active``, and routers and prefill workers
+   pair only with ``active`` workers, so it leaves the serving set at once; ``fluidpd ctl
+   status`` shows ``failed``);
 2. waits (bounded by the transfer timeout) until cancelled KV receives have released their
    reservations, then checks the block manager's invariants and logs the pool;
 3. stays ``failed`` for three heartbeat periods (telemetry keeps reporting its freed pool
@@ -45,14 +46,12 @@ class FailurePath:
         self,
         worker_id: str,
         *,
-        stop_admitting: Callable[[], None],
         set_state: Callable[[WorkerState, str], Awaitable[None]],
         block_manager: BlockManager,
         transfer_timeout_s: float,
         heartbeat_s: float,
     ) -> None:
         self.worker_id = worker_id
-        self._stop_admitting = stop_admitting
         self._set_state = set_state
         self._bm = block_manager
         self.transfer_timeout_s = transfer_timeout_s
@@ -69,7 +68,6 @@ class FailurePath:
         """Steps 1-3 of the module doc, then ``fatal`` with ``EXIT_ENGINE_FAILED``. Never
         raises (a failure to publish is logged; the exit still happens)."""
         try:
-            self._stop_admitting()
             await self._set_state(FAILED, f"engine failed: {error}")
             bm = self._bm
             deadline = time.monotonic() + self.transfer_timeout_s + 1.0

@@ -42,6 +42,7 @@ from services.worker.status import WorkerStatus
 from services.worker.telemetry import Telemetry
 from services.worker.token_stream import TokenFlusher, TokenStreamer
 from services.worker.transfer_endpoints import open_transfer
+from shared.aio import cancel_and_wait
 from shared.bus import Bus
 from shared.bus.registration import WorkerRegistration
 from shared.bus.registry import RegistryConfig
@@ -100,7 +101,6 @@ class WorkerRuntime(Service):
         )
         self.failure = FailurePath(
             wid,
-            stop_admitting=self._stop_admitting,
             set_state=self.announcer.set_state,
             block_manager=engine.block_manager,
             transfer_timeout_s=cfg.transfer_timeout_s,
@@ -252,11 +252,7 @@ class WorkerRuntime(Service):
         peers = getattr(self, "peers", None)
         if peers is not None:
             await peers.stop()
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks)
         failure = getattr(self, "failure", None)
         if failure is not None:
             await failure.stop()
@@ -293,7 +289,3 @@ class WorkerRuntime(Service):
     @property
     def exit_status(self) -> int:
         return self.failure.exit_status
-
-    def _stop_admitting(self) -> None:
-        # Prefill work is refused by state (handlers.py); decode admission has its own gate.
-        self.decode.set_admitting(False)

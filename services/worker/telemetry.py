@@ -9,7 +9,6 @@ publishes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from services.worker.peers import Peers
 from services.worker.policy import WorkerPolicy
 from services.worker.stats import DecodeStats, PrefillStats, SwitchStats
 from services.worker.status import WorkerStatus
+from shared.aio import cancel_and_wait
 from shared.bus import Bus
 from shared.messages import StreamSequencer, Subjects, WorkerTelemetry
 from shared.policy.busy import BusyMeter
@@ -66,9 +66,7 @@ class Telemetry:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+            await cancel_and_wait([self._task])
             self._task = None
 
     def snapshot(self) -> WorkerTelemetry:
