@@ -77,17 +77,28 @@ def test_settle_after_the_switch_completes_then_move_again_same_way() -> None:
     assert policy.decide(hot, 9.0).action == D2P  # not the 20 s cooldown
 
 
-def test_moving_back_waits_the_full_cooldown() -> None:
+def test_moving_back_waits_the_reverse_wait() -> None:
     policy = RolePolicy(CFG)
+    assert CFG.reverse_wait_s == 8.0 and CFG.cooldown_s == 20.0  # PAPER's, not used here
     assert policy.decide(cluster(ppi=1.1, load=0.1, adm=0.1), 0.0).action == D2P
     decode_hot = cluster(ppi=0.1, load=0.3, adm=0.6)
     # DPI̅_adm is the median of the last window_s (5 s) of decisions: at t = 1 the window
     # still holds t = 0's 0.1, so the move back is not even recommended yet.
     assert policy.decide(decode_hot, 1.0).recommendation == NONE
-    for t in (2.0, 10.0, 19.5):
+    for t in (2.0, 5.0, 7.5):
         d = policy.decide(decode_hot, t)
         assert (d.action, d.reason, d.recommendation) == (NONE, "cooldown", P2D)
-    assert policy.decide(decode_hot, 20.0).action == P2D
+    assert policy.decide(decode_hot, 8.0).action == P2D
+    # The wait counts from the last moment a worker was seen in transit, not the decision.
+    policy = RolePolicy(CFG)
+    hot = cluster(ppi=1.1, load=0.1, adm=0.1)
+    assert policy.decide(hot, 0.0).action == D2P
+    in_transit = ClusterSnapshot((*hot.workers[:-1], dw("d3", 0.1, 0.1, state=DRAIN)))
+    assert policy.decide(in_transit, 4.0).reason == "switch_in_progress"
+    assert policy.decide(decode_hot, 5.0).recommendation == NONE  # the median still 0.1
+    for t in (8.0, 11.5):
+        assert policy.decide(decode_hot, t).reason == "cooldown"
+    assert policy.decide(decode_hot, 12.0).action == P2D
 
 
 def test_paper_rules_are_eq22_literally_one_worker_and_no_adm_extensions() -> None:

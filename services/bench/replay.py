@@ -73,6 +73,7 @@ def scaled_policy(
         decision_interval_s=base.decision_interval_s * time_scale,
         cooldown_s=base.cooldown_s * time_scale,
         settle_s=base.settle_s * time_scale,
+        reverse_wait_s=base.reverse_wait_s * time_scale,
     )
 
 

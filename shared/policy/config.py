@@ -58,6 +58,13 @@ class PolicyConfig:
     # time its effect needs to show in the signals: the PPI p95 window, eq. 20, plus a
     # margin). A decision moves up to max_move_workers workers at once (sizing module).
     settle_s: float = 6.0
+    # ADAPTIVE only: a move *against* the last one waits this long after the last moment a
+    # worker was seen in transit (oscillation guard; PAPER waits cooldown_s from the switch).
+    # Shorter than cooldown_s because a wrong move must be undone before its cost piles up:
+    # a D->P move that starves decode saturates it within seconds (azure-mixed 30 rps: 7P1D
+    # at DPI_load 1.0 for 11 s of a 20 s cooldown), while settle_s + n_persist intervals
+    # already separate any two moves.
+    reverse_wait_s: float = 8.0
     max_move_workers: int = 3
     # ADAPTIVE only (shared/policy/fluidrole_sizing.py). A D->P move must leave the decode
     # side's predicted DPI_load below DPI_load^high minus this margin, and the decode backlog
@@ -115,6 +122,7 @@ class PolicyConfig:
             "dpi_adm_blocking",
             "cooldown_s",
             "settle_s",
+            "reverse_wait_s",
             "budget_context_tokens",
         ):
             if getattr(self, name) < 0:

@@ -17,7 +17,7 @@ Rules, in the order they are checked:
 3. PAPER: within T_cooldown of the last switch → no switch. ADAPTIVE: a move the same way
    as the last one waits ``settle_s`` after the last moment a worker was seen in transit
    (its effect must first show in the windowed signals); a move against the last one waits
-   ``cooldown_s`` from then (oscillation guard).
+   ``reverse_wait_s`` from then (oscillation guard).
    In 1–3 the persistence counter is reset, so a switch needs N_persist fresh intervals
    after the cooldown (signals measured mid-transition do not count).
 4. aggregates over Active workers only: PPI̅ = max_p PPI^95(p) (eq. 20); DPI̅_load, DPI̅_adm =
@@ -240,7 +240,7 @@ class RolePolicy:
             elif rec != NONE and rec == self.last_action:
                 if since_s < cfg.settle_s:
                     gate = "settling"
-            elif rec != NONE and since_s < cfg.cooldown_s:
+            elif rec != NONE and since_s < cfg.reverse_wait_s:
                 gate = "cooldown"
         if gate is not None or rec == NONE:
             self._pending, self._count = NONE, 0
