@@ -69,6 +69,7 @@ POLICY = PolicyConfig(
     decision_interval_s=0.25,
     n_persist=2,
     cooldown_s=3.0,
+    reverse_wait_s=3.0,  # the ADAPTIVE rules' wait before moving back (cooldown_s: PAPER's)
     window_s=1.0,
     settle_s=1.5,  # the ADAPTIVE rules' same-way wait, on this test's compressed clock
 )

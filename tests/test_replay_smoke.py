@@ -11,6 +11,7 @@ import pytest
 
 from services.bench import plots, replay
 from shared.engine.profiles import load_profile
+from shared.policy.config import PolicyConfig
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -30,6 +31,8 @@ def test_scaling_helpers_scale_every_time_coefficient_and_policy_time() -> None:
     pol = replay.scaled_policy(2000.0, 100.0, 0.25)
     assert (pol.ttft_ms, pol.tpot_ms) == (500.0, 25.0)
     assert pol.cooldown_s == pytest.approx(5.0) and pol.decision_interval_s == pytest.approx(0.25)
+    assert pol.reverse_wait_s == pytest.approx(0.25 * PolicyConfig().reverse_wait_s)
+    assert pol.settle_s == pytest.approx(0.25 * PolicyConfig().settle_s)
 
 
 def test_replay_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
