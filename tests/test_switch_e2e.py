@@ -186,3 +186,13 @@ async def test_d_to_p_live_migration_keeps_streams_exact(
     # The long requests were live-migrated (not waited for): d1 sent them, d0 took them.
     moved = client.telemetry["d1"].metrics["migrations_out_total"]
     assert moved >= 1 and client.telemetry["d0"].metrics["migrations_in_total"] == moved
+    # Every moved stream told the router first: d1's hand-over to d0 arrived before d0's
+    # first token (the router takes tokens only from workers it was told of; a peer that
+    # is itself leaving decode is not recognised otherwise).
+    streams = [client.streams[r] for r in rids]
+    moved_streams = [st for st in streams if "d0" in st.publishers]
+    assert len(moved_streams) == moved
+    for st in moved_streams:
+        first_d0 = st.publishers.index("d0")
+        notices = [(p, to, role) for p, to, role, at in st.hand_overs if at <= first_d0]
+        assert ("d1", "d0", "decode") in notices, st.hand_overs

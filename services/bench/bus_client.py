@@ -49,6 +49,8 @@ class StreamRecord:
     recv_s: list[float] = field(default_factory=list)
     recv_wall_s: list[float] = field(default_factory=list)
     publishers: list[str] = field(default_factory=list)
+    # Hand-over notices (TokenItem.handed_to): (publisher, to, role, tokens received before).
+    hand_overs: list[tuple[str, str, str, int]] = field(default_factory=list)
     timestamps: dict[str, float] = field(default_factory=dict)
     finish_reason: str | None = None
     error: str | None = None
@@ -118,6 +120,10 @@ class BenchBusClient:
                     st.prompt_logprobs.setdefault(item.prompt_logprobs_start + offset, plp)
             if st is None or st.finish_reason is not None:
                 continue
+            if item.handed_to is not None and item.handed_role is not None:
+                st.hand_overs.append(
+                    (batch.publisher_id, item.handed_to, item.handed_role, len(st.token_ids))
+                )
             st.logprobs.extend(item.logprobs)
             for name, value in item.timestamps.items():
                 st.timestamps.setdefault(name, value)

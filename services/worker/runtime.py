@@ -196,6 +196,7 @@ class WorkerRuntime(Service):
                 self.decode.table,
                 secret=secret,
                 transfer_timeout_s=cfg.transfer_timeout_s,
+                flush_now=self.flusher.flush_now,
             ),
             bus,
             self.subjects,

@@ -19,6 +19,8 @@ from services.worker.decode.decode_request import DecodeRequest, add_error_item
 from services.worker.decode.decode_waiting import WaitingAdmissions
 from services.worker.token_stream import TokenStreamer
 from shared.engine.block_manager import BlockManager
+from shared.messages import TokenItem
+from shared.policy.roles import DECODE
 
 _MAX_REMEMBERED_IDS = 4096  # bounded memory of migrated / early-cancelled request ids
 
@@ -55,6 +57,15 @@ class DecodeTable:
         the request: the caller does."""
         add_error_item(self._streamer, req, error, code)
         self._publish()
+
+    def hand_over(self, req: DecodeRequest, peer_id: str) -> None:
+        """Queue the notice that ``peer_id`` now decodes ``req`` (the router accepts a
+        request's tokens only from workers it was told of; the caller flushes it before the
+        peer can stream). Handing it back to this worker undoes a notice."""
+        self._streamer.add(
+            req.tokens_subject,
+            TokenItem(request_id=req.request_id, handed_to=peer_id, handed_role=DECODE),
+        )
 
     def finish(self, req: DecodeRequest) -> None:
         """Drop ``req`` and free its blocks."""

@@ -6,7 +6,12 @@ seed, so the client's stream has no gap and no repeat.
 
 Outcomes, and what becomes of the request here:
 
-* moved: the peer verified and installed the KV -> dropped here (``DecodeRole.migrated``);
+* moved: the peer verified and installed the KV -> dropped here (``DecodeRole.migrated``).
+  Before the KV leaves, the router is told that the peer now decodes the request (a
+  hand-over item on the request's token stream, flushed first): the router takes a
+  request's tokens only from workers it was told of, and the peer may itself be leaving
+  decode (a D->P move of several workers at once), so "an Active decode worker" is not
+  enough to recognise it. A request that resumes here is handed back the same way;
 * refused or rejected before anything could be installed (the peer's admit said no, its
   ticket does not verify, the sender's error is retryable) -> the next peer is tried, and
   if none takes it the request resumes here (``unfreeze``); a peer that reserved blocks for
@@ -18,6 +23,8 @@ Outcomes, and what becomes of the request here:
 """
 
 from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -51,8 +58,10 @@ class Migrator:
         *,
         secret: bytes,
         transfer_timeout_s: float,
+        flush_now: Callable[[], Awaitable[None]],
     ) -> None:
         self.worker_id = worker_id
+        self._flush_now = flush_now
         self._bus = bus
         self._subjects = subjects
         self._engine = engine
@@ -113,7 +122,7 @@ class Migrator:
         req = await dec.freeze(request_id)
         if req is None:
             return True  # finished or cancelled meanwhile: nothing left to move
-        settled = False
+        settled = announced = False
         try:
             msg = self._message(req)
             num_tokens = req.seq.num_cached_tokens
@@ -141,6 +150,9 @@ class Migrator:
                     await self._cancel_on(peer, request_id, "migration ticket rejected")
                     continue
                 table = self._engine.block_manager.block_table(request_id)[: ticket.num_blocks]
+                dec.hand_over(req, peer)  # before the peer can stream anything (module doc)
+                await self._flush_now()
+                announced = True
                 try:
                     await self._sender.send(
                         ticket,
@@ -177,6 +189,9 @@ class Migrator:
                 dec.migrated(req, peer)
                 log.info("request_migrated", request_id=request_id, peer=peer, kv_tokens=num_tokens)
                 return True
+            if announced:  # it resumes here: take it back before the next token
+                dec.hand_over(req, self.worker_id)
+                await self._flush_now()
             return False
         finally:
             if not settled:
