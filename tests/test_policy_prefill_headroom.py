@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from shared.policy.busy import BusyMeter
+from shared.policy.busy import BusyClock, BusyMeter
 from shared.policy.config import PolicyConfig
 from shared.policy.errors import PolicyConfigError
 from shared.policy.fluidrole import (
@@ -60,6 +60,18 @@ def test_busy_meter_is_the_slope_of_busy_seconds_over_the_window() -> None:
     assert meter.fraction() <= 1.0
     with pytest.raises(PolicyConfigError):
         BusyMeter(window_s=0.0)
+
+
+def test_busy_clock_counts_closed_periods_and_the_open_ones_share() -> None:
+    clock = BusyClock()
+    assert clock.total_s(5.0) == 0.0
+    clock.start(1.0)
+    assert clock.total_s(1.5) == pytest.approx(0.5)  # the running period counts
+    clock.stop(2.0)
+    clock.stop(9.0)  # no period open: nothing added
+    assert clock.total_s(9.0) == pytest.approx(1.0)
+    clock.start(10.0)
+    assert clock.total_s(12.0) == pytest.approx(3.0)
 
 
 def test_p2d_leaves_prefill_below_its_busy_bound() -> None:

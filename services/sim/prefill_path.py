@@ -178,7 +178,7 @@ class PrefillPath:
         prefix = r.prefix if admitted else r.prompt
         r.local_blocks = -(-prefix // cfg.block_size)
         w.local_blocks += r.local_blocks
-        w.prefill_started_s = now
+        w.busy_clock.start(now)
         self.push(now + self.profile.prefill_time_s(prefix), E_PREFILL_DONE, w, r)
         if not admitted:
             self._ask_admission(w, r)
@@ -269,7 +269,7 @@ class PrefillPath:
 
     def _prefill_done(self, w: SimWorker, r: SimRequest) -> None:
         now = self.now
-        w.prefill_busy_s += now - w.prefill_started_s
+        w.busy_clock.stop(now)
         w.current = None
         r.computed = True
         if r.done:  # gave up waiting for decode while computing: free the prompt's KV

@@ -154,7 +154,7 @@ class Telemetry:
                 w.ppi = 0.0
             if cfg.fluidrole:
                 self.ppi_windows.add(w.wid, now, w.ppi)
-                w.busy_meter.sample(now, w.prefill_busy_total_s(now))
+                w.busy_meter.sample(now, w.busy_clock.total_s(now))
                 w.prefill_busy_frac = w.busy_meter.fraction()
         if self.remaining:
             self.push(now + cfg.telemetry_interval_s, E_TELEMETRY, None)

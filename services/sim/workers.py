@@ -17,7 +17,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from shared.policy.busy import BusyMeter
+from shared.policy.busy import BusyClock, BusyMeter
 from shared.policy.roles import ACTIVE, DECODE, PREFILL
 
 
@@ -127,9 +127,8 @@ class SimWorker:
         # Prefill side (PrefillRole).
         self.queue: deque[SimRequest] = deque()
         self.current: SimRequest | None = None
-        # Seconds spent computing prompts (completed ones), and when the current one began.
-        self.prefill_busy_s = 0.0
-        self.prefill_started_s = 0.0
+        # Seconds spent computing prompts (started with ``current``, stopped when it is done).
+        self.busy_clock = BusyClock()
         # Requests refused for capacity and retried (admission.py's ``waiting``), by idx;
         # computed ones hold their KV here. ``local_blocks``: prompt KV held here (being
         # computed, waiting for admission, or on the wire), part of the one block pool.
@@ -184,11 +183,6 @@ class SimWorker:
     def active_tokens(self) -> int:
         """Σ num_tokens over runnable requests (the real telemetry's C_active)."""
         return self.s_ctx + self.n_dec * self.k + self.pending_tokens + self.suffix_tokens
-
-    def prefill_busy_total_s(self, now_s: float) -> float:
-        """Seconds spent computing prompts up to ``now_s`` (the current one's share too)."""
-        running = now_s - self.prefill_started_s if self.current is not None else 0.0
-        return self.prefill_busy_s + running
 
     def queue_len(self) -> int:
         return len(self.queue) + (1 if self.current is not None else 0)

@@ -7,8 +7,9 @@ steady overload. The busy fraction can: moving k of |P| workers raises it, to fi
 by |P| / (|P| − k).
 
 The owner (the prefill worker, or the simulated one) keeps a running total of seconds spent
-computing and samples it every telemetry tick; ``fraction`` is the slope of that total over
-the window. Pure: the caller passes every timestamp (seconds, any monotonic origin).
+computing (``BusyClock``, bracketing each step) and samples it every telemetry tick into a
+``BusyMeter``; ``fraction`` is the slope of that total over the window. Pure: the caller
+passes every timestamp (seconds, any monotonic origin).
 """
 
 from __future__ import annotations
@@ -16,6 +17,30 @@ from __future__ import annotations
 from collections import deque
 
 from shared.policy.errors import PolicyConfigError
+
+
+class BusyClock:
+    """Running total of busy seconds: ``start`` / ``stop`` bracket each busy period (one at
+    a time); ``total_s`` counts the open period's share too. Mutable; not thread-safe."""
+
+    def __init__(self) -> None:
+        self._done_s = 0.0
+        self._started_s: float | None = None
+
+    def start(self, now_s: float) -> None:
+        """A busy period begins at ``now_s``. Mutates."""
+        self._started_s = now_s
+
+    def stop(self, now_s: float) -> None:
+        """The open busy period ends at ``now_s`` (no-op if none is open). Mutates."""
+        if self._started_s is not None:
+            self._done_s += now_s - self._started_s
+            self._started_s = None
+
+    def total_s(self, now_s: float) -> float:
+        """Busy seconds up to ``now_s``, the open period's share included."""
+        started = self._started_s
+        return self._done_s + (now_s - started if started is not None else 0.0)
 
 
 class BusyMeter:

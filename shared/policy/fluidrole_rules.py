@@ -30,6 +30,9 @@ def recommend(
             return NONE, "prefill_not_idle"
         return NONE, "balanced"
     guard_adm = dpi_adm_bar if adm_guard_value is None else adm_guard_value
+    # Extension: the decode batch nears its TPOT-safe size while admission may still have
+    # room (DPI_adm only rises once the slots are full, after TPOT is already missed).
+    load_pressed = 0 < cfg.p2d_load_trigger < dpi_load_bar
     if ppi_bar > cfg.ppi_high and dpi_load_bar < cfg.dpi_load_high and guard_adm < adm_guard(cfg):
         # Eq. 22, unless the decode pool is short of admission headroom (extension): taking
         # a decode worker away then only deepens the backpressure that built the backlog.
@@ -38,9 +41,7 @@ def recommend(
         return D2P, "eq22_prefill_pressure"
     if dpi_adm_bar > cfg.dpi_adm_high and ppi_bar < cfg.ppi_low:
         return P2D, "eq23_decode_admission_pressure"
-    if 0 < cfg.p2d_load_trigger < dpi_load_bar and ppi_bar < cfg.ppi_low:
-        # Extension: the decode batch nears its TPOT-safe size while admission still has
-        # room (DPI_adm only rises once the slots are full, after TPOT is already missed).
+    if load_pressed and ppi_bar < cfg.ppi_low:
         return P2D, "decode_load_pressure"
     if ppi_bar > cfg.ppi_high:
         if dpi_adm_bar >= cfg.dpi_adm_blocking:
@@ -50,6 +51,6 @@ def recommend(
             # capacity can drain it.
             return P2D, "decode_admission_blocks_prefill"
         return NONE, "both_phases_pressured"
-    if dpi_adm_bar > cfg.dpi_adm_high or 0 < cfg.p2d_load_trigger < dpi_load_bar:
+    if dpi_adm_bar > cfg.dpi_adm_high or load_pressed:
         return NONE, "prefill_not_idle"
     return NONE, "balanced"

@@ -46,6 +46,7 @@ from services.worker.token_stream import TokenStreamer
 from shared.bus import Bus
 from shared.engine.interface import StepEngine
 from shared.messages import AdmitReply, PrefillRequest, Subjects
+from shared.policy.busy import BusyClock
 from shared.transfer.sender import KVSender
 
 log = structlog.get_logger(__name__)
@@ -128,10 +129,8 @@ class PrefillRole:
         self.current: PrefillJob | None = None
         self.prefills_total = 0
         self.last_step_s = 0.0
-        # Seconds spent in prefix steps (completed ones) and when the running one began
-        # (monotonic): FluidRole's prefill busy fraction (shared/policy/busy.py).
-        self._busy_s_done = 0.0
-        self._step_started_s: float | None = None
+        # Seconds spent in prefix steps (monotonic clock): FluidRole's prefill busy fraction.
+        self._busy = BusyClock()
 
     # ------------------------------------------------------------------ intake
     def enqueue(self, msg: PrefillRequest, seed: int) -> None:
@@ -271,14 +270,13 @@ class PrefillRole:
         started: asyncio.Future[None] | None = None,
     ) -> Any:
         """The prefix step (prefill_step.compute_prefix), observed and counted."""
-        self._step_started_s = time.monotonic()
+        self._busy.start(time.monotonic())
         try:
             first, self.last_step_s = await compute_prefix(
                 self.engine, self.executor, job, seq_id, prefix_len, sample, started
             )
         finally:
-            self._busy_s_done += time.monotonic() - self._step_started_s
-            self._step_started_s = None
+            self._busy.stop(time.monotonic())
         self.observe_step(prefix_len, self.last_step_s)
         self.observe_stage("prefill_compute", self.last_step_s)
         self.observe_stage(
@@ -299,11 +297,6 @@ class PrefillRole:
         return self.current is None and not self.handoff.exports and not len(self.queue)
 
     # --------------------------------------------------------------- snapshots
-    def busy_s_total(self, now_s: float) -> float:
-        """Seconds spent in prefix steps up to ``now_s`` (monotonic), the running one's too."""
-        started = self._step_started_s
-        return self._busy_s_done + (now_s - started if started is not None else 0.0)
-
     def stats(self) -> PrefillStats:
         cur = self.current
         adm = self.admission
@@ -315,7 +308,7 @@ class PrefillRole:
             handed_off_tokens_total=self.handoff.handed_off_tokens_total,
             split_requests_total=self.handoff.split_requests_total,
             prefills_total=self.prefills_total,
-            busy_s_total=self.busy_s_total(time.monotonic()),
+            busy_s_total=self._busy.total_s(time.monotonic()),
             expired_total=self.queue.expired_total,
             admission_waiting=len(adm.waiting),
             decode_wait_timeouts_total=adm.wait_timeouts_total,
