@@ -40,11 +40,21 @@ def test_summary_splits_tuned_and_held_out() -> None:
     rows = [row(0.99, 0.97), row(0.90, 0.97, tuned=False), row(0.98, 0.97, tuned=False)]
     s = sim_sweep.summarize(rows)
     assert s["goals"]["tuned"] == {"cells": 1, "cells_failed": 0, "holds": True, "failed_cells": []}
-    assert s["goals"]["held_out"]["cells_failed"] == 1 and not s["goals"]["held_out"]["holds"]
+    assert s["goals"]["held_out"]["cells_failed"] == 1 and s["goals"]["held_out"]["holds"] is False
     cell = s["by_rps"]["azure-staged"]["30"]
     assert cell["all"]["full_minus_oracle_pp"] == {"min": -7.0, "median": 1.0}
     assert cell["held_out"]["cells"] == 2
     assert cell["all"]["full_minus_static_pp"]["median"] == pytest.approx(78.0)
+
+
+def test_empty_goal_group_holds_none() -> None:
+    """A sweep of only held-out cells has no tuned evidence: ``holds`` is None, not False."""
+    s = sim_sweep.summarize([row(0.99, 0.97, tuned=False)])
+    assert s["goals"]["tuned"] == {"cells": 0, "cells_failed": 0, "holds": None, "failed_cells": []}
+    assert s["goals"]["held_out"]["holds"] is True
+    s = sim_sweep.summarize([row(0.90, 0.97)])
+    assert s["goals"]["tuned"]["holds"] is False
+    assert s["goals"]["held_out"]["holds"] is None
 
 
 def test_cells_mark_tuning_data() -> None:

@@ -149,7 +149,8 @@ def _dist(values: list[float]) -> dict[str, float]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-RPS distributions and the goal verdicts, tuned and held-out apart."""
+    """Per-RPS distributions and the goal verdicts, tuned and held-out apart. A goal group
+    with no cells reports ``"holds": None`` (no evidence), never ``False``."""
     by_rps: dict[str, dict[str, Any]] = {}
     goals: dict[str, dict[str, Any]] = {}
     for part, keep in (("tuned", True), ("held_out", False)):
@@ -158,7 +159,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         goals[part] = {
             "cells": len(sel),
             "cells_failed": len(failed),
-            "holds": not failed and bool(sel),
+            # An empty group (e.g. a sweep of only held-out cells) is no evidence either way.
+            "holds": (not failed) if sel else None,
             "failed_cells": [
                 {k: r[k] for k in ("workload", "seed", "offset_s", "rps")}
                 | {"full": r[FULL]["joint"], "oracle": r[ORACLE]["joint"]}
