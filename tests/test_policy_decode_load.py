@@ -13,6 +13,7 @@ import pytest
 from shared.policy.config import PAPER, PolicyConfig
 from shared.policy.errors import PolicyConfigError
 from shared.policy.fluidrole import (
+    D2P,
     DECODE,
     NONE,
     P2D,
@@ -22,7 +23,7 @@ from shared.policy.fluidrole import (
     WorkerView,
     recommend,
 )
-from shared.policy.fluidrole_sizing import _largest_k, move_size
+from shared.policy.fluidrole_sizing import move_size
 
 CFG = PolicyConfig(n_persist=1)  # defaults: trigger 0.8, DPI_load^high 0.6, PPI_low 0.6
 
@@ -74,8 +75,10 @@ def test_decide_moves_decode_ward_on_load_and_the_move_back_is_refused() -> None
     d = policy.decide(cluster(7, 1, load=0.98), 0.0)
     assert (d.action, d.reason, d.worker_ids) == (P2D, "decode_load_pressure", ("p0",))
     # At 6P2D the load halves (0.49); D->P of one worker predicts 0.98 again, over
-    # DPI_load^high: the trigger sits above the D->P bound, so the move is not undone.
-    assert _largest_k(2, 0.49, CFG.dpi_load_high - CFG.d2p_load_margin, 3) == 0
+    # DPI_load^high: the trigger sits above the D->P bound, so the move is not undone
+    # (even with prefill pressured, PPI̅ 1.2; at load 0.25 the same call would move one).
+    assert move_size(D2P, 1.2, 0.49, 0.1, 6, 2, CFG) == 0
+    assert move_size(D2P, 1.2, 0.25, 0.1, 6, 2, CFG) == 1
 
 
 def test_the_trigger_must_sit_above_the_d2p_load_bound() -> None:
