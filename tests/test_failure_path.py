@@ -1,12 +1,15 @@
 """The engine-failure sequence on one decode worker, in-process: ``DecodeRole._fail_all``
 (ends every request, frees blocks, stops admitting) then FailurePath
-(services/worker/failure.py: ``failed``, integrity check, exit status), and that
-``FailurePath.stop()`` cancels it. The whole path on real processes is test_fail_engine.py."""
+(services/worker/failure.py: ``failed``, integrity check, exit status), that
+``FailurePath.stop()`` cancels it, and that a D->P switch whose drain ends in an engine
+failure neither flips the role nor re-opens decode admission. The whole path on real
+processes is test_fail_engine.py."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,8 +21,10 @@ import pytest_asyncio
 
 from services.worker.config import WorkerConfig
 from services.worker.decode.decode_role import DecodeRole
-from services.worker.engine_factory import build_engine
+from services.worker.engine_factory import build_engine, fingerprint_of
 from services.worker.failure import EXIT_ENGINE_FAILED, FailurePath
+from services.worker.role_switch.switch import RoleSwitcher
+from services.worker.status import WorkerStatus
 from services.worker.token_stream import TokenStreamer
 from services.worker.transfer_endpoints import open_transfer
 from shared.aio import cancel_and_wait
@@ -29,9 +34,12 @@ from shared.messages import (
     PrefillRequest,
     SamplingParams,
     StreamSequencer,
+    SwitchCommand,
     TokenBatch,
 )
-from shared.policy.roles import DECODE, FAILED, WorkerState
+from shared.policy.roles import ACTIVE, DECODE, DRAIN, FAILED, PREFILL, Role, WorkerState
+from shared.transfer.receiver import KVReceiver
+from shared.transfer.ucx_node import TransferNode
 
 
 class Recorder:
@@ -90,8 +98,10 @@ class FailingDecode:
     streamer: TokenStreamer
 
 
-@pytest_asyncio.fixture
-async def decode() -> AsyncIterator[FailingDecode]:
+@contextlib.asynccontextmanager
+async def failing_decode(*, ucx: bool) -> AsyncIterator[FailingDecode]:
+    """The decode role running; ``ucx=False`` gives it a receiver on a node never started
+    (for a test that receives no KV: UCX starts once per process)."""
     cfg = WorkerConfig(
         worker_id="d0", role=DECODE, engine="emulated", num_kv_blocks=32, cluster_secret="s" * 32
     )
@@ -101,7 +111,17 @@ async def decode() -> AsyncIterator[FailingDecode]:
     streamer = TokenStreamer(StreamSequencer("d0"))
     async with contextlib.AsyncExitStack() as stack:
         executor = stack.enter_context(ThreadPoolExecutor(1))
-        receiver = (await open_transfer(cfg, engine, stack)).receiver
+        if ucx:
+            receiver = (await open_transfer(cfg, engine, stack)).receiver
+        else:
+            receiver = KVReceiver(
+                TransferNode(),
+                worker_id="d0",
+                block_manager=engine.block_manager,
+                arena=engine.arena,
+                fingerprint=fingerprint_of(engine),
+                secret=cfg.secret_bytes,
+            )
         role = DecodeRole(
             engine,
             receiver,
@@ -118,6 +138,18 @@ async def decode() -> AsyncIterator[FailingDecode]:
         finally:
             await cancel_and_wait([loop_task])
             await path.stop()
+
+
+@pytest_asyncio.fixture
+async def decode() -> AsyncIterator[FailingDecode]:
+    async with failing_decode(ucx=True) as d:
+        yield d
+
+
+@pytest_asyncio.fixture
+async def decode_offline() -> AsyncIterator[FailingDecode]:
+    async with failing_decode(ucx=False) as d:
+        yield d
 
 
 def _raise(*_args: Any) -> Any:
@@ -167,3 +199,92 @@ async def test_after_the_whole_failure_sequence_the_worker_admits_nothing(
     bm = role.bm
     assert bm.num_free_blocks == bm.num_usable_blocks
     bm.check_integrity()
+
+
+class SwitchParts:
+    """What a RoleSwitcher needs beyond the decode role, recorded: the states it announces
+    (into a real WorkerStatus), its lease (always granted) and its re-slices."""
+
+    def __init__(self) -> None:
+        self.status = WorkerStatus(DECODE)
+        self.status.set_state(ACTIVE)
+        self.announced: list[WorkerState] = []
+        self.resliced: list[Role] = []
+
+    async def set_state(self, state: WorkerState, _reason: str) -> None:
+        self.announced.append(state)
+        self.status.set_state(state)
+
+    async def acquire(self, _from_role: Role, _to_role: Role) -> str | None:
+        return None
+
+    async def release(self, _role: Role) -> None:
+        return None
+
+    def reslice(self, role: Role) -> int:
+        self.resliced.append(role)
+        return 0
+
+
+async def test_an_engine_failure_during_a_d2p_drain_ends_the_switch_closed(
+    decode_offline: FailingDecode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decode = decode_offline
+    role, parts = decode.role, SwitchParts()
+    entered, release = threading.Event(), threading.Event()
+
+    def fail_when_released(*_args: Any) -> Any:
+        entered.set()
+        release.wait(10.0)
+        raise RuntimeError("CUDA error (fault injected by the test)")
+
+    monkeypatch.setattr(role.engine, "step_full", fail_when_released)
+    now = time.time()
+    role.serve_local(
+        PrefillRequest(
+            request_id="r1",
+            router_id="rt",
+            prompt_token_ids=(1, 2, 3, 4, 5),
+            sampling=SamplingParams(max_tokens=4),
+            decode_worker_id="d0",
+            arrival_time_s=now,
+            ttft_deadline_s=now + 10.0,
+            tokens_subject="tokens.rt",
+        )
+    )
+    assert await asyncio.to_thread(entered.wait, 10.0)  # r1's step is in the engine
+
+    async def follow_role(_role: Role) -> None:
+        return None
+
+    switcher = RoleSwitcher(
+        "d0",
+        parts.status,
+        parts,  # type: ignore[arg-type]  # the announcer's set_state
+        parts,  # type: ignore[arg-type]  # the lease
+        None,  # type: ignore[arg-type]  # a D->P switch never touches the prefill role
+        role,
+        None,  # type: ignore[arg-type]  # migrate=False: no migrator
+        None,  # type: ignore[arg-type]  # nor the bus
+        None,  # type: ignore[arg-type]
+        follow_role=follow_role,
+        active_peers=lambda _role: [],
+        reslice=parts.reslice,
+        drain_timeout_s=10.0,
+        migrate=False,
+    )
+    reply = await switcher.on_switch(SwitchCommand(role=PREFILL))
+    assert reply.ok, reply
+    deadline = time.monotonic() + 10.0
+    while role.intake.admitting or parts.status.state != DRAIN:  # the drain has begun
+        assert time.monotonic() < deadline, "the switch never started draining"
+        await asyncio.sleep(0.005)
+    release.set()  # the step fails: r1 ends with engine_failed and the drain is "done"
+    assert switcher.task is not None
+    await asyncio.wait_for(switcher.task, timeout=10.0)
+    await asyncio.wait_for(decode.path.fatal.wait(), timeout=10.0)
+    assert role.engine_failed
+    assert not role.intake.admitting  # stays closed: the worker is on its way out
+    assert parts.status.role == DECODE and parts.resliced == []  # no flip
+    assert parts.announced == [DRAIN]  # neither "switch" nor "active" after the failure
+    assert decode.rec.states == [(FAILED, "engine failed: RuntimeError")]

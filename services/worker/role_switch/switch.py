@@ -12,8 +12,9 @@ in place, within ``drain_timeout_s``, after which the switch is cancelled and th
 returns to Active(decode). Any failure rolls back the same way, at once: a request that
 could not be migrated (it resumes here, or fails clearly if its outcome is unknown:
 migration.py), or an exception in the switch task. Admission is restored and a later
-switch is accepted. The drain ends when the roles signal that their last work left
-(no polling period in the switch time).
+switch is accepted. An engine failure meanwhile ends the switch where it stands (no flip,
+no re-opened admission): the worker is terminal (failure.py). The drain ends when the
+roles signal that their last work left (no polling period in the switch time).
 """
 
 from __future__ import annotations
@@ -181,6 +182,10 @@ class RoleSwitcher:
                 await self._roll_back(from_role, "switch cancelled: a migration failed")
                 return
             drained = await wait_drained(decode.drained, decode.progress, self.drain_timeout_s)
+        if decode.engine_failed:
+            # It failed meanwhile (terminal): no flip, no re-opened admission; the failure
+            # path (services/worker/failure.py) takes the worker out.
+            return
         t_drain = time.perf_counter()
         if not drained:
             log.warning("switch_cancelled", worker_id=self.worker_id, reason="drain timeout")
