@@ -26,12 +26,12 @@ from shared.messages import (
     SwitchCommand,
     SwitchReply,
     WorkerRecord,
-    WorkerTelemetry,
     decode,
 )
 from shared.policy.config import PolicyConfig
 from tests.support.fixtures import nats_server  # noqa: F401
 from tests.support.nats_server import NatsServer
+from tests.support.worker_messages import worker_record, worker_telemetry
 
 pytestmark = pytest.mark.timeout(60)
 SUBJECTS = Subjects()
@@ -72,16 +72,14 @@ class FakeWorker:
         self.reg: WorkerRegistration | None = None
 
     def record(self) -> WorkerRecord:
-        return WorkerRecord(
-            worker_id=self.worker_id,
-            role=self.role,
-            state="active",
+        return worker_record(
+            self.worker_id,
+            self.role,  # type: ignore[arg-type]
             pid=4242,
             host="localhost",
             model="tiny",
             fingerprint="fp",
             kv_total_blocks=100,
-            kv_block_size=16,
             max_model_len=2048,
             started_at_s=time.time(),
             heartbeat_at_s=time.time(),
@@ -110,14 +108,12 @@ class FakeWorker:
             t = self.telemetry
             await self.bus.publish(
                 subject,
-                WorkerTelemetry(
-                    publisher_id=self.worker_id,
+                worker_telemetry(
+                    self.worker_id,
+                    self.role,  # type: ignore[arg-type]
                     epoch=self._seq.epoch,
                     seq=self._seq.next_seq(subject),
                     time_s=time.time(),
-                    role=self.role,
-                    state="active",
-                    queue_len=0,
                     running=int(t["running"]),
                     free_blocks=int(t["free_blocks"]),
                     total_blocks=int(t["total_blocks"]),

@@ -56,6 +56,7 @@ from shared.messages import (
 from shared.messages.common import MAX_ERROR_CHARS, MAX_ID_CHARS, MAX_STOP_TOKEN_IDS
 from shared.messages.limits import MAX_TOKEN_ID
 from shared.messages.streams import MAX_ITEM_TOKENS
+from tests.support.worker_messages import worker_record, worker_telemetry
 
 SP = SamplingParams(
     max_tokens=8,
@@ -138,18 +139,15 @@ SAMPLES = {
             ),
         ),
     ),
-    WorkerTelemetry: WorkerTelemetry(
-        publisher_id="d0",
-        epoch=1,
+    WorkerTelemetry: worker_telemetry(
+        "d0",
+        "decode",
         seq=4,
         time_s=12.5,
-        role="decode",
-        state="active",
         queue_len=3,
         running=12,
         free_blocks=100,
         total_blocks=400,
-        ppi=0.0,
         dpi_load=0.4,
         dpi_adm=0.2,
         steal_budgets={"p0": 512},
@@ -195,21 +193,16 @@ SAMPLES = {
     PolicyReply: PolicyReply(ok=True, auto=False),
     SwitchLeaseRequest: SwitchLeaseRequest(worker_id="p1", from_role="prefill", to_role="decode"),
     SwitchLeaseReply: SwitchLeaseReply(ok=False, error="switch would leave no active prefill"),
-    WorkerRecord: WorkerRecord(
-        worker_id="d0",
-        role="decode",
-        state="active",
-        pid=1,
-        host="h",
+    WorkerRecord: worker_record(
+        "d0",
+        "decode",
         ucx_address=b"\xff" * 40,
         model="tiny",
         fingerprint="abc",
         kv_total_blocks=100,
-        kv_block_size=16,
         max_model_len=2048,
         started_at_s=1.0,
         heartbeat_at_s=2.0,
-        heartbeat_period_s=1.0,
         engine="emulated",
     ),
 }
@@ -565,20 +558,14 @@ def test_prefill_request_round_trip_property(sampling, tokens, request_id):
     seq=st.integers(0, 2**63),
 )
 def test_telemetry_round_trip_property(metrics, budgets, seq):
-    msg = WorkerTelemetry(
-        publisher_id="p0",
-        epoch=1,
+    msg = worker_telemetry(
+        "p0",
+        "prefill",
         seq=seq,
         time_s=1.0,
-        role="prefill",
-        state="active",
-        queue_len=0,
-        running=0,
         free_blocks=0,
         total_blocks=0,
         ppi=1.5,
-        dpi_load=0.0,
-        dpi_adm=0.0,
         steal_budgets=budgets,
         metrics=metrics,
     )

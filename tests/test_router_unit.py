@@ -49,6 +49,7 @@ from shared.messages import (
 from shared.tokenizer.models import load_tokenizer
 from tests.support.fixtures import nats_server_module  # noqa: F401
 from tests.support.nats_server import NatsServer
+from tests.support.worker_messages import worker_record, worker_telemetry
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 64
@@ -151,20 +152,13 @@ def test_stream_property_any_order_any_duplicates(data: st.DataObject) -> None:
 
 # ---------------------------------------------------------------- pairing
 def record(worker_id: str, role: Role, state: str = "active") -> WorkerRecord:
-    return WorkerRecord(
-        worker_id=worker_id,
-        role=role,
+    return worker_record(
+        worker_id,
+        role,
         state=state,
-        pid=1,
-        host="h",
         model=MODEL,
-        fingerprint="f",
         kv_total_blocks=100,
-        kv_block_size=16,
         max_model_len=MAX_MODEL_LEN,
-        started_at_s=0.0,
-        heartbeat_at_s=0.0,
-        heartbeat_period_s=1.0,
     )
 
 
@@ -177,19 +171,13 @@ def telemetry(
     free_blocks: int = 100,
     dpi_adm: float = 0.0,
 ) -> WorkerTelemetry:
-    return WorkerTelemetry(
-        publisher_id=worker_id,
-        epoch=1,
-        seq=0,
-        time_s=0.0,
-        role=role,
-        state="active",
+    return worker_telemetry(
+        worker_id,
+        role,
         queue_len=queue_len,
-        running=0,
         free_blocks=free_blocks,
         total_blocks=100,
         ppi=ppi,
-        dpi_load=0.0,
         dpi_adm=dpi_adm,
     )
 

@@ -4,23 +4,17 @@ from __future__ import annotations
 
 from services.controller.leases import SwitchLeases
 from shared.messages import WorkerRecord
+from tests.support.worker_messages import worker_record
 
 
 def _rec(worker_id: str, role: str, state: str = "active") -> WorkerRecord:
-    return WorkerRecord(
-        worker_id=worker_id,
-        role=role,  # type: ignore[arg-type]
+    return worker_record(
+        worker_id,
+        role,  # type: ignore[arg-type]
         state=state,
-        pid=1,
-        host="h",
         model="tiny",
-        fingerprint="f",
         kv_total_blocks=8,
-        kv_block_size=16,
         max_model_len=64,
-        started_at_s=0.0,
-        heartbeat_at_s=0.0,
-        heartbeat_period_s=1.0,
     )
 
 

@@ -1,6 +1,7 @@
-"""A worker's registry record and telemetry message with plain fixed values, for the unit
-tests that feed them to pure bookkeeping (controller book, pairing, overload choices)
-without any process. Each test overrides only the fields it is about."""
+"""A worker's registry record and telemetry message with plain fixed values, for the tests
+that need them without a worker process: pure bookkeeping (controller book, pairing,
+overload choices, switch leases), codec samples, and fake workers on a real bus. Each test
+overrides only the fields it is about."""
 
 from __future__ import annotations
 
