@@ -72,7 +72,7 @@ class Dispatcher:
         for item in batch.items:
             entry = self.in_flight.get(item.request_id)
             if entry is not None:
-                if not entry.may_publish(batch.publisher_id, self._active_decode_ids):
+                if not entry.may_publish(batch.publisher_id):
                     foreign += 1
                     continue
                 if item.handed_to is not None and item.handed_role is not None:
@@ -87,9 +87,6 @@ class Dispatcher:
         if foreign:  # one line per batch: a flood of forged items must not flood the log
             self.metrics.foreign_token_items_total.inc(foreign)
             log.warning("token_items_foreign", publisher=batch.publisher_id, items=foreign)
-
-    def _active_decode_ids(self) -> set[str]:
-        return {w.worker_id for w in self._workers(DECODE)}
 
     def on_registry_change(self, change: RegistryChange) -> None:
         """A worker left: end the requests it still holds (prefill side: only requests

@@ -1,11 +1,12 @@
 """One request in flight at the router and its custody: which workers it was given to, and
 so which may stream its tokens or hand it on (a queue hand-off at a P→D switch, a
-re-pairing with another decode worker, a live migration). The dispatcher (dispatch.py)
-owns the table of these; the rules of who may touch an entry live here."""
+re-pairing with another decode worker, a live migration). Custody follows the request only
+through explicit hand-over items, sent before the new worker can stream: a worker the
+router was not told of is never trusted, whatever its role or state. The dispatcher
+(dispatch.py) owns the table of these; the rules of who may touch an entry live here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import structlog
@@ -36,31 +37,18 @@ class InFlight:
     def __post_init__(self) -> None:
         self.custody.update((self.prefill_id, self.decode_id))
 
-    def may_publish(
-        self, publisher_id: str, active_decode_ids: Callable[[], Collection[str]]
-    ) -> bool:
-        """Whether ``publisher_id`` may stream this request's tokens; rebinds on a migration.
-
-        The bus has already checked that the batch came from ``publisher_id`` (its subject
-        names it, and NATS lets a worker publish only under its own id). The paired workers
-        may; another worker only as the target of a live migration: it is an Active decode
-        worker (``active_decode_ids()``, asked only then) and the request's decode worker no
-        longer is (it drains). Mutates ``decode_id`` then, so worker-loss handling follows
-        the request."""
-        if publisher_id in self.custody:
-            return True
-        active = active_decode_ids()
-        if publisher_id in active and self.decode_id not in active:
-            self.decode_id = publisher_id
-            self.custody.add(publisher_id)
-            return True
-        return False
+    def may_publish(self, publisher_id: str) -> bool:
+        """Whether ``publisher_id`` may stream this request's tokens: only a worker in its
+        custody (the pair, or a worker one of them handed it to). The bus has already
+        checked that the batch came from ``publisher_id`` (its subject names it, and NATS
+        lets a worker publish only under its own id). Pure."""
+        return publisher_id in self.custody
 
     def hand_over(self, publisher_id: str, to_id: str, role: Role) -> None:
         """``publisher_id`` (already checked to be in custody: only a worker the request was
         given to can rebind it) hands the ``role`` part of this request to ``to_id``: a
-        queue hand-off at a P->D switch, a re-pairing with another decode worker. The
-        notice comes before the new worker can stream anything (one publisher's messages
+        queue hand-off at a P->D switch, a re-pairing with another decode worker, a live
+        migration (or its hand-back when the request resumes). The notice comes before the new worker can stream anything (one publisher's messages
         keep their order through nats-server). Mutates this entry."""
         if role == PREFILL:
             self.prefill_id = to_id

@@ -9,9 +9,9 @@ Outcomes, and what becomes of the request here:
 * moved: the peer verified and installed the KV -> dropped here (``DecodeRole.migrated``).
   Before the KV leaves, the router is told that the peer now decodes the request (a
   hand-over item on the request's token stream, flushed first): the router takes a
-  request's tokens only from workers it was told of, and the peer may itself be leaving
-  decode (a D->P move of several workers at once), so "an Active decode worker" is not
-  enough to recognise it. A request that resumes here is handed back the same way;
+  request's tokens only from workers it was told of (the peer may itself be leaving
+  decode, a D->P move of several workers at once, so its role or state says nothing). A
+  request that resumes here is handed back the same way;
 * refused or rejected before anything could be installed (the peer's admit said no, its
   ticket does not verify, the sender's error is retryable) -> the next peer is tried, and
   if none takes it the request resumes here (``unfreeze``); a peer that reserved blocks for

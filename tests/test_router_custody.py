@@ -1,0 +1,76 @@
+"""Router custody (services/router/in_flight.py, dispatch.py): a request's tokens are taken
+only from the workers it was given to or explicitly handed to. An Active decode worker the
+router was never told of is dropped and counted as foreign, even while the request's own
+decode worker is no longer Active (the D->P drain a live migration happens in); the
+migration's hand-over item is what lets its peer stream. Pure: no bus traffic."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+
+from services.router.config import RouterConfig
+from services.router.dispatch import Dispatcher
+from services.router.in_flight import InFlight
+from services.router.metrics import RouterMetrics
+from services.router.pairing import RoundRobinPolicy
+from services.router.streams import RequestStream
+from shared.bus import Bus, BusConfig
+from shared.messages import Role, Subjects, TokenBatch, TokenItem, WorkerRecord
+from shared.policy.roles import DECODE, PREFILL
+from tests.support.worker_messages import worker_record
+
+# What the registry shows: p1 prefill, d2 an Active decode worker; d1, the request's decode
+# worker, is draining (a D->P switch), so it is not among the Active decode workers.
+ACTIVE: dict[Role, list[WorkerRecord]] = {
+    PREFILL: [worker_record("p1", PREFILL)],
+    DECODE: [worker_record("d2", DECODE)],
+}
+
+
+def dispatcher() -> tuple[Dispatcher, InFlight]:
+    subjects = Subjects()
+    cfg = RouterConfig(port=0, model="tiny")
+    bus = Bus(BusConfig(), subjects)  # never started: on_tokens sends nothing
+    metrics = RouterMetrics.create(CollectorRegistry(), "tiny")
+    d = Dispatcher(cfg, bus, subjects, lambda role: ACTIVE[role], RoundRobinPolicy(), metrics)
+    entry = InFlight("r1", "p1", "d1", RequestStream("r1"), 0.0, 4, 8)
+    d.in_flight["r1"] = entry
+    return d, entry
+
+
+def batch(publisher_id: str, seq: int, *items: TokenItem) -> TokenBatch:
+    return TokenBatch(publisher_id=publisher_id, epoch=1, seq=seq, items=items)
+
+
+def token(index: int) -> TokenItem:
+    return TokenItem(request_id="r1", index=index, token_ids=(100 + index,))
+
+
+def foreign_items(d: Dispatcher) -> float:
+    return float(d.metrics.foreign_token_items_total._value.get())
+
+
+async def test_an_active_decode_worker_without_custody_is_dropped() -> None:
+    d, entry = dispatcher()
+    await d.on_tokens(batch("p1", 0, token(0)))  # P's first token
+    assert entry.stream.num_tokens == 1
+    await d.on_tokens(batch("d2", 0, token(1), token(2)))
+    assert entry.stream.num_tokens == 1  # dropped, not taken as a migration target
+    assert foreign_items(d) == 2
+    assert entry.decode_id == "d1" and entry.custody == {"p1", "d1"}  # nothing rebound
+
+
+async def test_a_hand_over_lets_the_new_decode_worker_stream() -> None:
+    d, entry = dispatcher()
+    await d.on_tokens(batch("p1", 0, token(0)))
+    await d.on_tokens(batch("d1", 0, token(1)))
+    # d1 live-migrates the request to d2: the notice comes first on d1's stream.
+    await d.on_tokens(
+        batch("d1", 1, TokenItem(request_id="r1", handed_to="d2", handed_role=DECODE))
+    )
+    assert entry.decode_id == "d2" and "d2" in entry.custody
+    await d.on_tokens(batch("d2", 0, token(2), token(3)))
+    assert entry.stream.num_tokens == 4 and foreign_items(d) == 0
+    # A worker nobody handed it to still cannot, Active decode worker or not.
+    await d.on_tokens(batch("d3", 0, token(4)))
+    assert entry.stream.num_tokens == 4 and foreign_items(d) == 1
