@@ -210,7 +210,7 @@ def test_router_and_worker_flags_validate_and_bad_values_exit_2(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert RouterConfig(shed_ttft_multiple=0.0).shed_ttft_multiple == 0.0
-    assert RouterConfig().shed_ttft_multiple == 2.0
+    assert RouterConfig().shed_ttft_multiple == 1.0
     assert RouterConfig(shed_decode_backlog=0.0).shed_decode_backlog == 0.0
     for bad_backlog in (-1.0, float("inf"), float("nan")):  # SheddingConfig's range
         with pytest.raises(ValueError, match="shed_decode_backlog"):

@@ -16,8 +16,14 @@ from dataclasses import dataclass
 from shared.policy.errors import PolicyConfigError
 from shared.policy.predictors import LatencyProfile
 
-# The one default, read by the router's config and flag too.
-DEFAULT_TTFT_MULTIPLE = 2.0
+# The one default, read by the router's config and flag too. 1: a request predicted to miss
+# its TTFT SLO is rejected (goodput). Under sustained overload the door keeps the predicted
+# queue wait just under multiple x S_TTFT, so with any multiple above 1 nearly every admitted
+# request misses its SLO while it holds the capacity the next ones need: at 2 (the value
+# before session 10) the simulator's static 4P4D reached 0.58-0.72 joint attainment on the
+# 25 rps cross-check slices, at 1 it reaches 0.95-0.98, and every configuration gains at
+# every rate swept (docs/results.md, "Shedding at the SLO").
+DEFAULT_TTFT_MULTIPLE = 1.0
 # Queued prefill work is dropped this long past its TTFT deadline: the one default of the
 # prefill worker's --expire-margin-s, the replay bench and the simulator. 5 s: such a request
 # has missed its SLO by 3.5x S_TTFT (2 s) already, and computing it delays every request
