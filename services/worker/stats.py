@@ -33,6 +33,7 @@ class DecodeStats:
     stolen_tokens_total: int
     refused_steals_total: int
     migrations_in_total: int
+    migrations_in_failed_total: int
     migrations_out_total: int
     iterations_total: int
 

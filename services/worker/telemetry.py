@@ -107,6 +107,7 @@ class Telemetry:
                 "split_requests_total": float(pf.split_requests_total),
                 "refused_steals_total": float(dec.refused_steals_total),
                 "migrations_in_total": float(dec.migrations_in_total),
+                "migrations_in_failed_total": float(dec.migrations_in_failed_total),
                 "migrations_out_total": float(dec.migrations_out_total),
                 "switches_total": float(sw.switches_total),
                 # The last completed switch's phases (0 before the first): benchmarks read them.

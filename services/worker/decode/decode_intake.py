@@ -69,6 +69,7 @@ class DecodeIntake:
         self.admitting = True
         self.refused_steals_total = 0
         self.migrations_in_total = 0
+        self.migrations_in_failed_total = 0  # receives of live migrations that failed
 
     def _blocks_for_request(self, prompt_len: int, max_tokens: int) -> int:
         """Blocks reserved at admission: the prompt plus a decode horizon. Longer outputs
@@ -187,8 +188,23 @@ class DecodeIntake:
         try:
             got = await self.receiver.receive(ticket, timeout_s=self.transfer_timeout_s)
         except TransferError as exc:
-            log.warning("kv_receive_failed", request_id=req.request_id, error=str(exc))
+            # The receiver has already given the reservation back (its contract).
             self.table.requests.pop(req.request_id, None)
+            self.table.progress.set()  # a request left (a drain here re-checks at once)
+            if req.migrated_from:
+                # The source still holds the request and owns the outcome: it resumes it,
+                # moves it on, or ends the stream itself when the outcome is unknown. An
+                # error item from here (in the request's custody since the hand-over)
+                # would end a stream that still runs there.
+                self.migrations_in_failed_total += 1
+                log.warning(
+                    "migration_in_failed",
+                    request_id=req.request_id,
+                    source=req.migrated_from,
+                    error=str(exc),
+                )
+                return
+            log.warning("kv_receive_failed", request_id=req.request_id, error=str(exc))
             self.table.stream_error(req, f"KV transfer failed: {exc}", exc.code)
             return
         except asyncio.CancelledError:
@@ -252,6 +268,7 @@ class DecodeIntake:
         if req is None:
             return refusal  # type: ignore[return-value]
         req.seq.output_token_ids = list(msg.generated_token_ids)
+        req.migrated_from = msg.source_worker_id
         return self._start_receive(req)
 
     def serve_local(self, msg: PrefillRequest) -> None:

@@ -24,6 +24,8 @@ class DecodeRequest:
     migrating: bool = False
     ticket: Any = None
     receive_started: bool = False
+    # A live migration in: the worker it comes from, which owns the move's outcome ("" else).
+    migrated_from: str = ""
     timestamps: dict[str, float] = field(default_factory=dict)
 
 

@@ -245,6 +245,7 @@ class DecodeRole:
             stolen_tokens_total=self.stolen_tokens_total,
             refused_steals_total=self.intake.refused_steals_total,
             migrations_in_total=self.intake.migrations_in_total,
+            migrations_in_failed_total=self.intake.migrations_in_failed_total,
             migrations_out_total=table.migrations_out_total,
             iterations_total=self.iterations_total,
         )
