@@ -79,6 +79,7 @@ class Dispatcher:
                     # TokenItem.check: a hand-over always names the role handed over.
                     entry.hand_over(batch.publisher_id, item.handed_to, item.handed_role)
                     continue
+                entry.streamed_by(batch.publisher_id)
                 if item.token_ids or item.finish_reason is not None:
                     # Admitted and running (or over): the decode worker's telemetry now
                     # counts it, so the pairing stops counting it as in flight to it.
@@ -89,18 +90,15 @@ class Dispatcher:
             log.warning("token_items_foreign", publisher=batch.publisher_id, items=foreign)
 
     def on_registry_change(self, change: RegistryChange) -> None:
-        """A worker left: end the requests it still holds (prefill side: only requests
-        that have no token yet, since after the first token the decode side owns them)."""
+        """A worker left: end the requests it still holds (``InFlight.held_by``: also a
+        request it was moving to a peer, whose outcome only it could settle)."""
         if change.kind != "removed":
             return
         forget = getattr(self.policy, "forget", None)
         if forget is not None:
             forget(change.worker_id)
         for entry in list(self.in_flight.values()):
-            holds = entry.decode_id == change.worker_id or (
-                entry.prefill_id == change.worker_id and entry.stream.num_tokens == 0
-            )
-            if holds and not entry.stream.finished:
+            if entry.held_by(change.worker_id) and not entry.stream.finished:
                 log.warning(
                     "request_worker_lost",
                     request_id=entry.request_id,
@@ -117,10 +115,7 @@ class Dispatcher:
     def on_stream_gap(self, publisher_id: str, missing: int) -> None:
         """Token batches from ``publisher_id`` were lost: its streams cannot be trusted."""
         self._fail_held(
-            lambda e: (
-                e.decode_id == publisher_id
-                or (e.prefill_id == publisher_id and e.stream.num_tokens == 0)
-            ),
+            lambda e: e.held_by(publisher_id),
             f"{missing} token message(s) from worker {publisher_id} were lost on the bus",
             "stream_gap",
         )
@@ -259,12 +254,15 @@ class Dispatcher:
 
     # --- ending -----------------------------------------------------------------------
     async def cancel(self, entry: InFlight, reason: str) -> None:
-        """Tell both workers to drop the request (publish; unknown ids are ignored)."""
+        """Tell both workers to drop the request, and the decode worker a pending live
+        migration comes from (it still holds the request and would resume it) (publish;
+        unknown ids are ignored)."""
         if entry.cancelled:
             return
         entry.cancelled = True
         msg = CancelRequest(request_id=entry.request_id, reason=reason[:256])
-        for worker_id in dict.fromkeys((entry.prefill_id, entry.decode_id)):
+        holders = (entry.prefill_id, entry.decode_id, entry.moving_from)
+        for worker_id in dict.fromkeys(w for w in holders if w):
             try:
                 await self.bus.publish(self.subjects.worker_cancel(worker_id), msg)
             except BusError as exc:

@@ -33,6 +33,10 @@ class InFlight:
     # Every worker the request was given to: the pair, then whoever a member handed it to
     # (TokenItem.handed_to). Only members may stream its tokens or hand it on.
     custody: set[str] = field(default_factory=set)
+    # A live migration under way: the decode worker that handed the request on still holds
+    # it (frozen) and owns the move's outcome until the new decode worker streams (a peer
+    # whose receive fails ends it silently). "" when no move is pending.
+    moving_from: str = ""
 
     def __post_init__(self) -> None:
         self.custody.update((self.prefill_id, self.decode_id))
@@ -48,11 +52,18 @@ class InFlight:
         """``publisher_id`` (already checked to be in custody: only a worker the request was
         given to can rebind it) hands the ``role`` part of this request to ``to_id``: a
         queue hand-off at a P->D switch, a re-pairing with another decode worker, a live
-        migration (or its hand-back when the request resumes). The notice comes before the new worker can stream anything (one publisher's messages
-        keep their order through nats-server). Mutates this entry."""
+        migration (or its hand-back when the request resumes). The notice comes before the
+        new worker can stream anything (one publisher's messages keep their order through
+        nats-server). Mutates this entry."""
         if role == PREFILL:
             self.prefill_id = to_id
         else:
+            if to_id == publisher_id:  # handed back: it resumes there
+                self.moving_from = ""
+            elif publisher_id in (self.decode_id, self.moving_from):  # a live migration
+                self.moving_from = publisher_id
+            else:  # a re-pairing by the prefill worker
+                self.moving_from = ""
             self.decode_id = to_id
         self.custody.add(to_id)
         log.info(
@@ -61,4 +72,18 @@ class InFlight:
             publisher=publisher_id,
             to=to_id,
             role=role,
+        )
+
+    def streamed_by(self, publisher_id: str) -> None:
+        """An item of this request (not a hand-over) came from ``publisher_id``: once that is
+        its decode worker, a pending move has landed there. Mutates this entry."""
+        if publisher_id == self.decode_id:
+            self.moving_from = ""
+
+    def held_by(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` holds this request's fate: its decode worker, the decode
+        worker a pending live migration comes from, or its prefill worker before the first
+        token (after it the decode side owns the request). Pure."""
+        return worker_id in (self.decode_id, self.moving_from) or (
+            worker_id == self.prefill_id and self.stream.num_tokens == 0
         )
