@@ -1,9 +1,10 @@
 """The router's door check happens on the prefill worker its pairing picked
 (services/router/dispatch.py ``submit``'s ``admit``, services/router/admission.py): with
 ``round_robin`` pairing a request whose turn lands on a worker with a long queue is shed
-(503 + Retry-After, nothing sent) although another worker is idle, and the idle worker's
-turn admits the same request; one decision per HTTP request (``n`` > 1: the first
-sub-request's pair); a retry on another pair after a failed send is not shed.
+(503 + Retry-After, nothing sent, its decode turn given back) although another worker is
+idle, and the idle worker's turn admits the same request; one decision per HTTP request
+(``n`` > 1: the first sub-request's pair); a retry on another pair after a failed send is
+not shed.
 
 A real router and nats-server; the workers are fake bus responders (one token per request)
 whose telemetry, published on the bus like a worker's, says p1 is idle and p2 has 30 s of
@@ -41,7 +42,12 @@ from tests.support.worker_messages import worker_record, worker_telemetry
 
 MODEL = "tiny"
 LONG_QUEUE_S = 30.0  # p2's queued prefill work: far beyond the 1 s TTFT SLO
-WORKERS: tuple[tuple[str, Role], ...] = (("p1", "prefill"), ("p2", "prefill"), ("d1", "decode"))
+WORKERS: tuple[tuple[str, Role], ...] = (
+    ("p1", "prefill"),
+    ("p2", "prefill"),
+    ("d1", "decode"),
+    ("d2", "decode"),
+)
 
 
 @dataclass
@@ -51,7 +57,9 @@ class FakeWorkers:
 
     bus: Bus
     subjects: Subjects
-    received: dict[str, list[str]] = field(default_factory=lambda: {w: [] for w, _ in WORKERS})
+    received: dict[str, list[PrefillRequest]] = field(
+        default_factory=lambda: {w: [] for w, _ in WORKERS}
+    )
     failing: set[str] = field(default_factory=set)
     seqs: dict[str, StreamSequencer] = field(default_factory=dict)
 
@@ -59,7 +67,7 @@ class FakeWorkers:
         async def on_prefill(msg: PrefillRequest) -> None:
             if worker_id in self.failing:
                 raise WorkerNotActiveError(f"{worker_id} is draining")
-            self.received[worker_id].append(msg.request_id)
+            self.received[worker_id].append(msg)
             seq = self.seqs.setdefault(worker_id, StreamSequencer(worker_id))
             item = TokenItem(
                 request_id=msg.request_id, index=0, token_ids=(42,), finish_reason="length"
@@ -116,7 +124,9 @@ async def door(
     )
     async with Router(cfg, tokenizer=load_tokenizer(MODEL)) as router:
         assert router.watcher is not None and router.gate is not None
-        await router.watcher.wait_until(lambda w: len(w.workers(state="active")) == 3, 10)
+        await router.watcher.wait_until(
+            lambda w: len(w.workers(state="active")) == len(WORKERS), 10
+        )
         deadline = time.monotonic() + 10.0
         gate, seq = router.gate, 0
         while gate.predict_s(1, "p1") is None or gate.predict_s(1, "p2") is None:
@@ -158,7 +168,9 @@ async def test_round_robin_sheds_on_the_long_queue_whose_turn_it_is_and_admits_o
         assert status == 503, payload
         assert payload["error"]["code"] == "overloaded"
         assert retry_after is not None and int(retry_after) >= LONG_QUEUE_S - 1
-    assert len(fake.received["p1"]) == 2 and fake.received["p2"] == []  # shed: nothing sent
+    assert fake.received["p2"] == []  # shed: nothing sent
+    # The shed requests' decode turns were given back: the admitted ones alternate.
+    assert [m.decode_worker_id for m in fake.received["p1"]] == ["d1", "d2"]
     assert router.gate.shed_total == 2
     assert router.dispatcher is not None and router.dispatcher.in_flight == {}
 
