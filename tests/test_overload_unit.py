@@ -92,53 +92,62 @@ def test_pick_with_capacity_needs_fresh_telemetry_a_free_slot_and_the_kv() -> No
 
 
 # ------------------------------------------------------------------------ router gate
-def gate(multiple: float = 2.0, ids: tuple[str, ...] = ("p1", "p2")) -> AdmissionGate:
+def gate(multiple: float = 2.0) -> AdmissionGate:
     return AdmissionGate(
         SheddingConfig(ttft_multiple=multiple, expire_margin_s=None),
         1.0,
-        lambda: ids,
         stale_after_s=1.0,
         profile=PROFILE,
     )
 
 
-def test_gate_predicts_ttft_on_the_best_prefill_worker_with_the_workers_coefficients() -> None:
+def test_gate_predicts_ttft_on_the_given_prefill_worker_with_its_coefficients() -> None:
     g = gate()
-    assert g.predict_s(1000, now_s=0.0) is None  # no telemetry: no prediction, no shedding
-    g.check(10**6, now_s=0.0)
+    assert g.predict_s(1000, "p1", now_s=0.0) is None  # no telemetry: no prediction
+    g.check(10**6, "p1", now_s=0.0)  # ... and no shedding
     g.observe(telemetry("p1", queue_work_s=5.0), now_s=0.0)
     g.observe(telemetry("p2", queue_work_s=1.0), now_s=0.0)
-    # Best worker p2: 1.0 s queued + its own T_pre(1000) = 1e-3 * 1000 + 0.01 (published).
-    assert g.predict_s(1000, now_s=0.1) == pytest.approx(2.01)
-    # What this router sent since p2's telemetry counts until the next one shows it.
+    # Each worker its own queue + the request's T_pre(1000) = 1e-3 * 1000 + 0.01 (published).
+    assert g.predict_s(1000, "p1", now_s=0.1) == pytest.approx(6.01)
+    assert g.predict_s(1000, "p2", now_s=0.1) == pytest.approx(2.01)
+    assert g.predict_s(1000, "p9", now_s=0.1) is None  # never heard from
+    # What this router sent since p2's telemetry counts there until the next one shows it.
     g.note_sent("p2", 2000, now_s=0.2)
-    assert g.predict_s(1000, now_s=0.3) == pytest.approx(4.02)  # now p2 (1 + 2.01) + 1.01
+    assert g.predict_s(1000, "p2", now_s=0.3) == pytest.approx(4.02)  # (1 + 2.01) + 1.01
+    assert g.predict_s(1000, "p1", now_s=0.3) == pytest.approx(6.01)  # not sent to p1
     g.observe(telemetry("p2", seq=1, queue_work_s=3.01), now_s=0.4)
-    assert g.predict_s(1000, now_s=0.5) == pytest.approx(4.02)  # not counted twice
-    assert g.predict_s(1000, now_s=1.35) == pytest.approx(4.02)  # p1 stale: p2 only
-    assert g.predict_s(1000, now_s=1.5) is None  # every view stale
+    assert g.predict_s(1000, "p2", now_s=0.5) == pytest.approx(4.02)  # not counted twice
+    assert g.predict_s(1000, "p2", now_s=1.35) == pytest.approx(4.02)
+    assert g.predict_s(1000, "p1", now_s=1.35) is None  # p1's telemetry is stale
+    assert g.predict_s(1000, "p2", now_s=1.5) is None
 
 
 def test_gate_sheds_above_the_multiple_with_retry_after_and_never_when_off() -> None:
     g = gate(multiple=2.0)
     g.observe(telemetry("p1", queue_work_s=1.5), now_s=0.0)
     g.observe(telemetry("p2", queue_work_s=3.0), now_s=0.0)
-    g.check(400, now_s=0.0)  # 1.5 + 0.41 = 1.91 s <= 2 x 1 s
+    g.check(400, "p1", now_s=0.0)  # 1.5 + 0.41 = 1.91 s <= 2 x 1 s
     with pytest.raises(Overloaded) as info:
-        g.check(1000, now_s=0.0)  # 1.5 + 1.01 = 2.51 s > 2 s
+        g.check(1000, "p1", now_s=0.0)  # 1.5 + 1.01 = 2.51 s > 2 s
     err = info.value
     assert (err.http_status, err.code, err.retry_after_s) == (503, "overloaded", 1)
     assert "2.5 s" in err.message and g.shed_total == 1
     with pytest.raises(Overloaded) as info:
-        g.check(4000, now_s=0.0)  # 1.5 + 4.01 = 5.51 s: 3.51 s over the limit
+        g.check(4000, "p1", now_s=0.0)  # 1.5 + 4.01 = 5.51 s: 3.51 s over the limit
     assert info.value.retry_after_s == 4
+    # The same request the idle-enough p1 admits is shed on p2: 3.0 + 0.41 = 3.41 s.
+    with pytest.raises(Overloaded):
+        g.check(400, "p2", now_s=0.0)
+    assert g.shed_total == 3
+    g.check(400, "p3", now_s=0.0)  # no telemetry from p3: no prediction, admitted
     off = gate(multiple=0.0)
     off.observe(telemetry("p1", queue_work_s=100.0), now_s=0.0)
-    off.check(10**5, now_s=0.0)  # off: never sheds
+    off.check(10**5, "p1", now_s=0.0)  # off: never sheds
     # A worker that is no longer a prefill worker (or publishes no queue) is forgotten.
     g.observe(telemetry("p1", seq=1, queue_work_s=None), now_s=0.1)
     g.observe(telemetry("p2", seq=1, role="decode"), now_s=0.1)
-    assert g.predict_s(1000, now_s=0.2) is None
+    assert g.predict_s(1000, "p1", now_s=0.2) is None
+    assert g.predict_s(1000, "p2", now_s=0.2) is None
 
 
 def test_gate_sheds_when_every_decode_worker_has_a_batch_of_requests_waiting() -> None:
@@ -147,7 +156,6 @@ def test_gate_sheds_when_every_decode_worker_has_a_batch_of_requests_waiting() -
         # The TTFT rule off; the backlog rule at one batch.
         SheddingConfig(ttft_multiple=0.0, expire_margin_s=None, decode_backlog_batches=1.0),
         1.0,
-        lambda: ("p1",),
         stale_after_s=1.0,
         profile=PROFILE,
         decode_records=lambda: decode,
@@ -158,19 +166,19 @@ def test_gate_sheds_when_every_decode_worker_has_a_batch_of_requests_waiting() -
             telemetry(wid, seq=seq, role="decode"), metrics={"decode_waiting": float(n)}
         )
 
-    g.check(1000, now_s=0.0)  # no decode telemetry: nothing to go on
+    g.check(1000, "p1", now_s=0.0)  # no decode telemetry: nothing to go on
     g.observe(waiting("d1", 4, 0), now_s=0.0)  # one batch waiting on d1 ...
     g.observe(waiting("d2", 7, 0), now_s=0.0)  # ... but d2 still below one batch
     assert g.decode_backlog(now_s=0.1) == pytest.approx(7 / 8)
-    g.check(1000, now_s=0.1)
+    g.check(1000, "p1", now_s=0.1)
     g.observe(waiting("d2", 16, 1), now_s=0.2)  # two batches
     with pytest.raises(Overloaded) as info:
-        g.check(1000, now_s=0.3)
+        g.check(1000, "p1", now_s=0.3)
     assert (info.value.code, info.value.retry_after_s) == ("overloaded", 1)
     assert "decode worker" in info.value.message
-    g.check(1000, now_s=1.5)  # stale: no longer evidence
+    g.check(1000, "p1", now_s=1.5)  # stale: no longer evidence
     with pytest.raises(ValueError):
-        AdmissionGate(SheddingConfig(decode_backlog_batches=-1.0), 1.0, lambda: ())
+        AdmissionGate(SheddingConfig(decode_backlog_batches=-1.0), 1.0)
 
 
 def test_failed_ends_before_any_token_map_to_503_with_retry_after() -> None:

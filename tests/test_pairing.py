@@ -9,6 +9,7 @@ with max_tokens 128 reserves 256 tokens = 16 blocks = 0.125 of its KV.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -229,3 +230,33 @@ def test_unsettled_pairings_expire_and_retries_replace_them() -> None:
     seed(pol, now=T0 + 6.0, seq=1)
     assert pol.choose(P, D, prompt_tokens=128, max_tokens=128, now_mono_s=T0 + 6.0)[1] == "d1"
     assert pol._pending == {}  # the bound on the policy's memory
+
+
+def test_a_withdrawn_choice_counts_nowhere() -> None:
+    """The router sheds a request after its pair is chosen (dispatch.py ``submit``'s
+    ``admit``): withdrawn, the policy chooses as if it had never been chosen."""
+    pol, ref = policy(), policy()
+    seed(pol)
+    seed(ref)
+    kw: dict[str, Any] = {"prompt_tokens": 512, "max_tokens": 128, "now_mono_s": T0}
+    assert pol.choose(P, D, request_id="shed", **kw) == ("p1", "d1")
+    pol.withdraw("shed")
+    pol.withdraw("shed")  # twice: nothing left to undo
+    # Unwithdrawn, p1 (0 + 0.5) and d1 (0 + 40/128) would now rank behind p2 and d2.
+    for i in range(4):
+        rid = f"r{i}"
+        assert pol.choose(P, D, request_id=rid, **kw) == ref.choose(P, D, request_id=rid, **kw)
+    pol.withdraw("r0")  # not the latest choice: ignored
+    assert pol.choose(P, D, request_id="r9", **kw) == ref.choose(P, D, request_id="r9", **kw)
+    assert pol._pending == ref._pending  # the decode pairings counted: the same ones
+    work_s = {w: s.work_s for w, s in pol._sent.items()}
+    assert work_s == {w: s.work_s for w, s in ref._sent.items()}
+
+
+def test_round_robin_withdrawn_keeps_the_prefill_turn_and_gives_back_the_decode_turn() -> None:
+    rr = RoundRobinPolicy()
+    assert rr.choose(P, D, request_id="shed") == ("p1", "d1")
+    rr.withdraw("shed")  # p1's turn is spent (or a long queue would shed all after it) ...
+    assert rr.choose(P, D, request_id="a") == ("p2", "d1")  # ... d1 was never used
+    rr.withdraw("shed")  # not the latest choice: ignored
+    assert rr.choose(P, D, request_id="b") == ("p3", "d2")

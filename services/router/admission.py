@@ -1,13 +1,17 @@
 """SLO-aware admission at the router (goodput): reject a request with 503 + Retry-After,
 before any byte of a 200 is sent, when the TTFT it would see is hopeless.
 
-Predicted TTFT on the best Active prefill worker = the prefill work queued there (its
-telemetry's ``queue_work_s``: Σ T_pre over its queue plus the running prefill's remainder)
-+ the T_pre of what this router sent it since that telemetry + the request's own T_pre
-(eq. 2, with the coefficients the worker publishes: the same predictors as its PPI). Shed
-when that exceeds ``ttft_multiple`` × S_TTFT (shared/policy/admission.py, the rule the
-simulator applies too). Without fresh telemetry from any prefill worker nothing is shed:
-no prediction, no rejection.
+Predicted TTFT on the prefill worker the router picked = the prefill work queued there
+(its telemetry's ``queue_work_s``: Σ T_pre over its queue plus the running prefill's
+remainder) + the T_pre of what this router sent it since that telemetry + the request's
+own T_pre (eq. 2, with the coefficients the worker publishes: the same predictors as its
+PPI). Shed when that exceeds ``ttft_multiple`` × S_TTFT (shared/policy/admission.py, the
+rule the simulator applies too). The check runs once the pairing policy has chosen the
+request's pair and before anything is sent (services/router/dispatch.py ``submit``'s
+``admit``), so it is about the worker the request would wait on — under ``round_robin``
+not necessarily the least loaded one — as in the simulator (services/sim/prefill_path.py
+``_hopeless``). Without fresh telemetry from that worker nothing is shed: no prediction,
+no rejection.
 
 Decode backlog: a request the decode side cannot admit waits for it after its prefill (its
 KV held on the prefill worker) and, past the workers' decode-wait timeout, fails after its
@@ -66,14 +70,13 @@ class Overloaded(Unavailable):
 class AdmissionGate:
     """The router's shedding decision (module doc) under ``shedding``: its
     ``ttft_multiple`` and ``decode_backlog_batches`` (0 turns either rule off; its
-    ``expire_margin_s`` is the prefill workers' business). ``prefill_ids()`` lists the
-    Active prefill workers, ``decode_records()`` the Active decode workers (registry)."""
+    ``expire_margin_s`` is the prefill workers' business). ``decode_records()`` lists the
+    Active decode workers (registry)."""
 
     def __init__(
         self,
         shedding: SheddingConfig,
         ttft_slo_s: float,
-        prefill_ids: Callable[[], Iterable[str]],
         *,
         stale_after_s: float = 1.0,
         profile: LatencyProfile | None = None,
@@ -84,7 +87,6 @@ class AdmissionGate:
         self.shedding = shedding
         self.ttft_slo_s = ttft_slo_s
         self.stale_after_s = stale_after_s
-        self._prefill_ids = prefill_ids
         self._base = profile or load_profile("")
         self._views: dict[str, _PrefillView] = {}
         self.shed_total = 0
@@ -123,19 +125,17 @@ class AdmissionGate:
         view.sent.append((now, work_s))
         view.sent_work_s += work_s
 
-    def predict_s(self, prompt_tokens: int, now_s: float | None = None) -> float | None:
-        """Predicted TTFT on the best Active prefill worker with fresh telemetry (None:
-        no such worker, no prediction)."""
+    def predict_s(
+        self, prompt_tokens: int, prefill_id: str, now_s: float | None = None
+    ) -> float | None:
+        """Predicted TTFT of a ``prompt_tokens`` prompt sent to ``prefill_id`` now (None:
+        no fresh telemetry from it, no prediction). Mutates nothing."""
         now = time.monotonic() if now_s is None else now_s
-        best: float | None = None
-        for wid in self._prefill_ids():
-            view = self._views.get(wid)
-            if view is None or now - view.received_s > self.stale_after_s:
-                continue
-            ahead = view.queue_work_s + view.sent_work_s
-            ttft = predicted_ttft_s(ahead, prompt_tokens, view.profile)
-            best = ttft if best is None or ttft < best else best
-        return best
+        view = self._views.get(prefill_id)
+        if view is None or now - view.received_s > self.stale_after_s:
+            return None
+        ahead = view.queue_work_s + view.sent_work_s
+        return predicted_ttft_s(ahead, prompt_tokens, view.profile)
 
     def decode_backlog(self, now_s: float | None = None) -> float | None:
         """The smallest decode backlog (requests waiting for admission / ``max_num_seqs``)
@@ -152,8 +152,10 @@ class AdmissionGate:
             best = backlog if best is None or backlog < best else best
         return best
 
-    def check(self, prompt_tokens: int, now_s: float | None = None) -> None:
-        """Raises Overloaded (503, Retry-After) when the request should be shed."""
+    def check(self, prompt_tokens: int, prefill_id: str, now_s: float | None = None) -> None:
+        """The door decision for a request about to be sent to ``prefill_id`` (the prefill
+        worker its pair names). Raises Overloaded (503, Retry-After) when it should be shed
+        (counted in ``shed_total``); else returns and changes nothing."""
         if self.shedding.decode_backlog_batches > 0:  # else: no need to look at decode
             backlog = self.decode_backlog(now_s)
             if backlog is not None and sheds_for_decode_backlog(backlog, self.shedding):
@@ -165,7 +167,7 @@ class AdmissionGate:
                 )
         if not self.shedding.sheds:
             return
-        predicted = self.predict_s(prompt_tokens, now_s)
+        predicted = self.predict_s(prompt_tokens, prefill_id, now_s)
         if predicted is None or not should_shed(predicted, self.ttft_slo_s, self.shedding):
             return
         self.shed_total += 1

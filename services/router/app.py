@@ -38,7 +38,7 @@ from services.router.pressure_pairing import PressurePolicy, make_policy
 from shared.bus import Bus
 from shared.bus.registry_watcher import RegistryWatcher
 from shared.messages import Subjects, TokenBatch, WorkerRecord, WorkerTelemetry
-from shared.policy.roles import ACTIVE, DECODE, PREFILL, ROLES, Role
+from shared.policy.roles import ACTIVE, DECODE, ROLES, Role
 from shared.tokenizer import Tokenizer
 from shared.tokenizer.models import load_tokenizer
 
@@ -84,7 +84,6 @@ class Router(Service):
             self.gate = AdmissionGate(
                 shedding,
                 cfg.ttft_slo_ms / 1000.0,
-                lambda: [r.worker_id for r in self.active_workers(PREFILL)],
                 stale_after_s=cfg.telemetry_stale_s,
                 decode_records=lambda: self.active_workers(DECODE),
             )

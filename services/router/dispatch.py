@@ -28,7 +28,6 @@ from shared.messages import (
     Ack,
     CancelRequest,
     PrefillRequest,
-    SamplingParams,
     Subjects,
     TokenBatch,
     WorkerRecord,
@@ -151,28 +150,26 @@ class Dispatcher:
             ) from None
 
     async def submit(
-        self, req: GenerationRequest, max_tokens: int, *, sample_logprobs: bool = False
+        self,
+        req: GenerationRequest,
+        max_tokens: int,
+        *,
+        sample_logprobs: bool = False,
+        admit: Callable[[str], None] | None = None,
     ) -> InFlight:
         """Send the request to a pair (retrying once on another pair); ``sample_logprobs``:
         the sampled tokens' logprobs come back even when ``req`` asks for none (the router
-        ranks best_of samples by them; no prompt logprobs are computed for it). Returns the
-        in-flight entry (the caller must ``release`` it). Raises Unavailable (503).
-        Cancelled meanwhile (client gone): the entry is released and the request cancelled
-        on both workers before CancelledError propagates."""
+        ranks best_of samples by them; no prompt logprobs are computed for it). ``admit``:
+        the door check, called with the first pair's prefill worker before anything is sent
+        or registered; what it raises (Overloaded) propagates with the pairing withdrawn. A
+        retry is not checked again: the request was admitted. Returns the in-flight entry
+        (the caller must ``release`` it). Raises Unavailable (503). Cancelled meanwhile
+        (client gone): the entry is released and the request cancelled on both workers
+        before CancelledError propagates."""
         request_id = uuid.uuid4().hex
         arrival_s = time.time()
         seed = req.seed if req.seed is not None else secrets.randbits(SEED_BITS)
-        sampling = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            seed=seed,
-            stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos,
-            logprobs=0 if sample_logprobs and req.logprobs is None else req.logprobs,
-            prompt_logprobs=req.logprobs if req.echo else None,
-        )
+        sampling = req.sampling(max_tokens, seed, sample_logprobs=sample_logprobs)
         echo_logprobs = req.echo and req.logprobs is not None
         short = 0 < len(req.prompt_token_ids) <= self.cfg.short_prompt_tokens
         exclude: frozenset[str] = frozenset()
@@ -181,6 +178,12 @@ class Dispatcher:
             prefill_id, decode_id = self._pick(
                 exclude, request_id, len(req.prompt_token_ids), max_tokens
             )
+            if admit is not None and attempt == 0:
+                try:
+                    admit(prefill_id)
+                except Exception:
+                    self.policy.withdraw(request_id)  # never sent: counted nowhere
+                    raise
             target = decode_id if short else prefill_id
             msg = PrefillRequest(
                 request_id=request_id,

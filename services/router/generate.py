@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import secrets
 import time
@@ -94,8 +95,6 @@ class GenerationHandler:
         Overloaded (503 + Retry-After) when the admission gate sheds it."""
         prompt_len = len(req.prompt_token_ids)
         gate = self.gate if prompt_len > self.short_prompt_tokens else None
-        if gate is not None:
-            gate.check(prompt_len)  # before anything is sent or computed
         seed = req.seed if req.seed is not None else secrets.randbits(SEED_BITS)
         if req.best_of > 1:
             req = dataclasses.replace(req, seed=seed)
@@ -106,7 +105,12 @@ class GenerationHandler:
         try:
             for i in range(req.best_of):
                 sub = dataclasses.replace(req, seed=choice_seed(seed, i)) if i else req
-                entry = await self.dispatcher.submit(sub, max_tokens, sample_logprobs=ranked)
+                # One door decision per HTTP request, on the prefill worker its first
+                # sub-request is paired with, before anything is sent (admission.py).
+                admit = functools.partial(gate.check, prompt_len) if gate and i == 0 else None
+                entry = await self.dispatcher.submit(
+                    sub, max_tokens, sample_logprobs=ranked, admit=admit
+                )
                 if gate is not None:
                     gate.note_sent(entry.prefill_id, prompt_len)
                 choices.append(Choice(self.tokenizer, req, entry, i))

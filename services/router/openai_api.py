@@ -14,6 +14,7 @@ from typing import Any, Literal
 from services.router.api_fields import check_fields
 from services.router.errors import BadRequest, ModelNotFound
 from shared.errors import FluidPDError
+from shared.messages import SamplingParams
 from shared.tokenizer import Tokenizer
 
 MAX_STOP_STRINGS = 16
@@ -48,6 +49,21 @@ class GenerationRequest:
     echo: bool = False
     n: int = 1  # choices, each sampled with its own seed derived from ``seed``
     best_of: int = 1  # samples drawn (>= n); the n with the highest cumulative logprob return
+
+    def sampling(self, max_tokens: int, seed: int, *, sample_logprobs: bool) -> SamplingParams:
+        """What the workers sample with (``seed`` resolved by the caller); ``sample_logprobs``:
+        the sampled tokens' logprobs come back even when none were asked. Pure."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=seed,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=0 if sample_logprobs and self.logprobs is None else self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo else None,
+        )
 
 
 def _is_int(value: Any) -> bool:

@@ -44,6 +44,12 @@ class PairingPolicy(Protocol):
         (pressure_pairing.py)."""
         ...
 
+    def withdraw(self, request_id: str) -> None:
+        """The pair ``choose`` just returned for ``request_id`` will not be used (the router
+        shed the request before sending anything): stop counting it as sent. Called right
+        after that ``choose``, before any other."""
+        ...
+
 
 def candidate_ids(
     records: Sequence[WorkerRecord], exclude: frozenset[str], role: Role
@@ -66,6 +72,7 @@ class RoundRobinPolicy:
 
     def __init__(self) -> None:
         self._cursor: dict[Role, int] = {PREFILL: 0, DECODE: 0}
+        self._last: str | None = None  # the request of the latest choice (``withdraw``)
 
     def pick(self, role: Role, ids: list[str]) -> str:
         i = self._cursor[role]
@@ -84,7 +91,17 @@ class RoundRobinPolicy:
     ) -> tuple[str, str]:
         p_ids = candidate_ids(prefill, exclude, PREFILL)
         d_ids = candidate_ids(decode, exclude, DECODE)
+        self._last = request_id
         return self.pick(PREFILL, p_ids), self.pick(DECODE, d_ids)
 
     def settle(self, request_id: str) -> None:
         """Nothing to settle: round robin ignores load."""
+
+    def withdraw(self, request_id: str) -> None:
+        """The prefill turn stays taken: the next request goes to the next prefill worker,
+        or one long queue would shed every request after it. The decode turn is given back
+        (the decode worker was not used), as in the simulator, which picks it only after
+        the door check. Only the latest choice, if it was ``request_id``'s."""
+        if request_id == self._last:
+            self._cursor[DECODE] -= 1
+        self._last = None

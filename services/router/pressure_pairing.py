@@ -105,6 +105,15 @@ class _SentLedger:
         self.work_s += work_s
         self.kv_tokens += kv_tokens
 
+    def drop_last(self, entry: tuple[float, float, int]) -> None:
+        """Forget ``entry`` if it is the latest send (a withdrawn choice); else nothing."""
+        if self.entries and self.entries[-1] == entry:
+            self.entries.pop()
+            self.work_s -= entry[1]
+            self.kv_tokens -= entry[2]
+            if not self.entries:
+                self.work_s, self.kv_tokens = 0.0, 0
+
     def drop_until(self, t: float) -> None:
         """Forget the sends made at or before ``t`` (telemetry now reflects them)."""
         entries = self.entries
@@ -132,6 +141,9 @@ class PressurePolicy:
         self._pending_kv: dict[str, int] = {}
         self._pending_n: dict[str, int] = {}
         self._fallback = RoundRobinPolicy()
+        # The latest choice made with a request id, (id, prefill id, its ledger entry): the
+        # one ``withdraw`` can undo.
+        self._last: tuple[str, str, tuple[float, float, int]] | None = None
 
     def observe(self, msg: WorkerTelemetry, now_mono_s: float | None = None) -> None:
         """Record a telemetry message (bus callback). An older message of the same worker
@@ -160,6 +172,17 @@ class PressurePolicy:
             d, _, kv = entry
             self._pending_kv[d] -= kv
             self._pending_n[d] -= 1
+
+    def withdraw(self, request_id: str) -> None:
+        """Undo the latest ``choose`` if it was for ``request_id`` (shed before it was
+        sent): its prefill ledger entry and its decode pairing. Else nothing."""
+        last, self._last = self._last, None
+        if last is None or last[0] != request_id:
+            return
+        self.settle(request_id)
+        ledger = self._sent.get(last[1])
+        if ledger is not None:
+            ledger.drop_last(last[2])
 
     def _fresh(self, worker_id: str, now: float) -> WorkerTelemetry | None:
         entry = self._latest.get(worker_id)
@@ -221,9 +244,9 @@ class PressurePolicy:
         ``request_id`` — until ``settle(request_id)``: a decode worker reserves KV only at
         admission, after the request's wait in the prefill queue, so its telemetry cannot
         show the requests paired with it that are still queued (under load, seconds' worth).
-        The caller then settles every id it passes (first token or end), or it is dropped
-        after ``pending_expiry_s``. ``prompt_tokens``/``max_tokens``: the request's sizes
-        (defaults from the config)."""
+        The caller then settles every id it passes (first token or end) or withdraws it
+        (never sent), or it is dropped after ``pending_expiry_s``.
+        ``prompt_tokens``/``max_tokens``: the request's sizes (defaults from the config)."""
         now = time.monotonic() if now_mono_s is None else now_mono_s
         cfg = self.cfg
         p_ids = candidate_ids(prefill, exclude, PREFILL)
@@ -233,7 +256,9 @@ class PressurePolicy:
         self._expire_pending(now)
         p = self._pick(PREFILL, prefill, p_ids, now)
         d = self._pick(DECODE, decode, d_ids, now)
-        self._record(p, now, cfg.prefill_work_s(prompt), 0)
+        work_s = cfg.prefill_work_s(prompt)
+        self._record(p, now, work_s, 0)
+        self._last = None if request_id is None else (request_id, p, (now, work_s, 0))
         rec = next(r for r in decode if r.worker_id == d)
         kv = admission_kv_tokens(prompt, out, rec.decode_reserve_tokens, rec.max_model_len)
         if request_id is None:
