@@ -277,3 +277,52 @@ def test_sim_router_pressure_pairing_matches_the_real_policy() -> None:
     assert router.pick(DECODE, req=dreq(9)).wid == "w004"
     d_reqs[0].t_first = 0.5  # first token out: settled
     assert router.pick(DECODE, req=dreq(10)).wid == "w003"
+
+
+def test_sim_router_withdraw_matches_the_real_policy() -> None:
+    """A request the door sheds after its pick is withdrawn: its T_pre stops counting
+    against the prefill worker, in the simulator as in PressurePolicy.withdraw, so the
+    next picks are the same in both — and differ from picks that kept it counted."""
+    import dataclasses
+
+    from services.router.pressure_pairing import PressureConfig, PressurePolicy
+    from services.sim.router import SimRouter
+    from services.sim.workers import SimRequest, initial_workers
+    from shared.policy.fluidrole import PREFILL
+    from shared.policy.predictors import example_profile
+    from tests.support.worker_messages import worker_record, worker_telemetry
+
+    profile = dataclasses.replace(
+        example_profile(), prefill_c1_s_per_token=1 / 1024, prefill_c0_s=0.0
+    )
+    ppis = [0.0, 0.25]
+
+    def sim_picks(withdraw: bool) -> list[str]:
+        workers = initial_workers(4, 2, num_blocks=128, busy_window_s=5.0)
+        for w, ppi in zip(workers[:2], ppis, strict=True):
+            w.ppi = ppi
+        router = SimRouter(workers, "pressure", profile, ttft_s=1.0, max_num_seqs=64)
+        reqs = [SimRequest(i, 0.0, 512, 128, "code", 0) for i in range(5)]
+        out = []
+        for i, r in enumerate(reqs):
+            w = router.pick(PREFILL, req=r)
+            out.append(w.wid)
+            if withdraw and i == 0:
+                router.withdraw(w, r)
+        return out
+
+    pol = PressurePolicy(cfg=PressureConfig(ttft_s=1.0, profile=profile))
+    recs = [worker_record(f"w00{i}", role="prefill") for i in range(2)]
+    for i, ppi in enumerate(ppis):
+        pol.observe(worker_telemetry(f"w00{i}", role="prefill", ppi=ppi), now_mono_s=10.0)
+    real = []
+    for i in range(5):
+        rid = f"r{i}"
+        real.append(
+            pol.choose(recs, recs, prompt_tokens=512, max_tokens=128, request_id=rid,
+                       now_mono_s=10.0)[0]
+        )  # fmt: skip
+        if i == 0:
+            pol.withdraw(rid)
+    assert sim_picks(withdraw=True) == real
+    assert sim_picks(withdraw=False) != real  # the withdrawal is what changed the picks

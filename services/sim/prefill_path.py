@@ -10,7 +10,9 @@ What is modelled, mirroring the real services (file names are the ones mirrored)
   its prefill worker (queued T_pre + the running prefill's T_pre + its own) exceeds the
   multiple of S_TTFT is rejected at the door (``rejected``, not attained), and so is every
   request while each Active decode worker has ``decode_backlog_batches`` × ``max_num_seqs``
-  requests waiting for its admission (the live router's decode-backlog shedding).
+  requests waiting for its admission (the live router's decode-backlog shedding). As the
+  live router, both rules are checked once the prefill worker is picked, and a shed
+  request's pick is withdrawn (``SimRouter.withdraw``).
 * worker/prefill/prefill_role.py — FIFO queue, one request per prefill iteration; a request
   whose TTFT deadline passed by more than the expiry margin is dropped when it reaches the
   head (``expired``); the head waits while earlier prompts hold the blocks it needs. At the
@@ -93,12 +95,14 @@ class PrefillPath:
         if r.prompt + 1 > self._max_ctx:  # engine.check_prompt: rejected at once
             self.fail(r)
             return
-        if sheds_for_decode_backlog(self._decode_backlog(), self.shed):
-            r.rejected = True
-            self.fail(r)
-            return
+        # The live router's door (services/router/admission.py): both rules once the
+        # prefill worker is picked; a shed request's pick is withdrawn (round robin: the
+        # turn stays taken).
         p = self.router.pick(PREFILL, req=r)
-        if self.shed.sheds and self._hopeless(p, r):
+        if sheds_for_decode_backlog(self._decode_backlog(), self.shed) or (
+            self.shed.sheds and self._hopeless(p, r)
+        ):
+            self.router.withdraw(p, r)
             r.rejected = True
             self.fail(r)
             return

@@ -14,7 +14,9 @@
 Telemetry in the simulator is instantaneous and never stale (every worker publishes every
 20 ms and sees a request the moment it is sent), so a telemetry tick supersedes the whole
 prefill estimate (the real router keeps the sends of the last few ms, see its module doc)
-and the stale-telemetry fallback never applies. A tick shows here as the worker's
+and the stale-telemetry fallback never applies. A request the door sheds after its pick is
+withdrawn (``withdraw``, the real policy's ``withdraw``): under pressure pairing its T_pre
+stops counting; a round-robin turn stays taken. A tick shows here as the worker's
 ``sent_since`` counter reset to 0 (telemetry.py). Settled pairings are pruned off the front of
 each decode worker's list (pairing order), so one settled behind an unsettled one counts a
 little longer than in the real router (an approximation that keeps a pick O(workers)). The
@@ -98,6 +100,16 @@ class SimRouter:
         if req is not None and self.profile is not None:
             work[i] += max(0.0, self.profile.prefill_time_s(req.prompt))
         return best
+
+    def withdraw(self, w: SimWorker, req: SimRequest) -> None:
+        """Undo ``pick(PREFILL, req=req)`` on ``w`` for a request the door then shed (the
+        live router's ``withdraw``): its T_pre no longer counts against ``w``."""
+        if not self.pressure or w.sent_since <= 0:
+            return
+        w.sent_since -= 1
+        if self.profile is not None:
+            work = self._sent_work_s
+            work[w.index] = max(0.0, work[w.index] - self.profile.prefill_time_s(req.prompt))
 
     def _unsettled(self, w: SimWorker) -> int:
         """Prune settled pairings off the front of ``w``'s list; return how many remain."""
