@@ -26,7 +26,6 @@ from services.worker.failure import EXIT_ENGINE_FAILED, FailurePath
 from services.worker.role_switch.switch import RoleSwitcher
 from services.worker.status import WorkerStatus
 from services.worker.token_stream import TokenStreamer
-from services.worker.transfer_endpoints import open_transfer
 from shared.aio import cancel_and_wait
 from shared.engine.block_manager import BlockManager
 from shared.messages import (
@@ -99,9 +98,10 @@ class FailingDecode:
 
 
 @contextlib.asynccontextmanager
-async def failing_decode(*, ucx: bool) -> AsyncIterator[FailingDecode]:
-    """The decode role running; ``ucx=False`` gives it a receiver on a node never started
-    (for a test that receives no KV: UCX starts once per process)."""
+async def failing_decode() -> AsyncIterator[FailingDecode]:
+    """The decode role running, its receiver on a transfer node never started: these tests
+    receive no KV, and UCX starts once per process — the one in-process test that receives
+    (test_migration_intake.py) starts it."""
     cfg = WorkerConfig(
         worker_id="d0", role=DECODE, engine="emulated", num_kv_blocks=32, cluster_secret="s" * 32
     )
@@ -111,17 +111,14 @@ async def failing_decode(*, ucx: bool) -> AsyncIterator[FailingDecode]:
     streamer = TokenStreamer(StreamSequencer("d0"))
     async with contextlib.AsyncExitStack() as stack:
         executor = stack.enter_context(ThreadPoolExecutor(1))
-        if ucx:
-            receiver = (await open_transfer(cfg, engine, stack)).receiver
-        else:
-            receiver = KVReceiver(
-                TransferNode(),
-                worker_id="d0",
-                block_manager=engine.block_manager,
-                arena=engine.arena,
-                fingerprint=fingerprint_of(engine),
-                secret=cfg.secret_bytes,
-            )
+        receiver = KVReceiver(
+            TransferNode(),
+            worker_id="d0",
+            block_manager=engine.block_manager,
+            arena=engine.arena,
+            fingerprint=fingerprint_of(engine),
+            secret=cfg.secret_bytes,
+        )
         role = DecodeRole(
             engine,
             receiver,
@@ -142,13 +139,7 @@ async def failing_decode(*, ucx: bool) -> AsyncIterator[FailingDecode]:
 
 @pytest_asyncio.fixture
 async def decode() -> AsyncIterator[FailingDecode]:
-    async with failing_decode(ucx=True) as d:
-        yield d
-
-
-@pytest_asyncio.fixture
-async def decode_offline() -> AsyncIterator[FailingDecode]:
-    async with failing_decode(ucx=False) as d:
+    async with failing_decode() as d:
         yield d
 
 
@@ -227,9 +218,8 @@ class SwitchParts:
 
 
 async def test_an_engine_failure_during_a_d2p_drain_ends_the_switch_closed(
-    decode_offline: FailingDecode, monkeypatch: pytest.MonkeyPatch
+    decode: FailingDecode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    decode = decode_offline
     role, parts = decode.role, SwitchParts()
     entered, release = threading.Event(), threading.Event()
 

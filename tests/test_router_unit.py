@@ -231,6 +231,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi"}, "model"),
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": ""}, "prompt"),
+    ({"model": MODEL, "prompt": "a\ud800"}, "prompt"),  # a JSON "\ud800" escape: not Unicode
     ({"model": MODEL, "prompt": []}, "prompt"),
     ({"model": MODEL, "prompt": 5}, "prompt"),
     ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),

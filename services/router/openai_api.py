@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from services.router.api_fields import check_fields
 from services.router.errors import BadRequest, ModelNotFound
-from shared.errors import FluidPDError
+from shared.errors import FluidPDError, InvalidRequestError
 from shared.messages import SamplingParams
 from shared.tokenizer import Tokenizer
 
@@ -208,7 +208,10 @@ def parse_completion(body: Any, tokenizer: Tokenizer, model_name: str) -> Genera
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("the prompt is empty", param="prompt")
-        ids = tuple(tokenizer.encode(prompt))
+        try:
+            ids = tuple(tokenizer.encode(prompt))
+        except InvalidRequestError as exc:
+            raise BadRequest(str(exc), param="prompt") from None
     elif isinstance(prompt, list) and prompt and _all_ints(prompt):
         ids = _token_ids(prompt, vocab, "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
@@ -268,7 +271,10 @@ def parse_chat(body: Any, tokenizer: Tokenizer, model_name: str) -> GenerationRe
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
     except FluidPDError as exc:
         raise BadRequest(str(exc), param="messages") from None
-    ids = tuple(tokenizer.encode(text))
+    try:
+        ids = tuple(tokenizer.encode(text))
+    except InvalidRequestError as exc:
+        raise BadRequest(str(exc), param="messages") from None
     if body.get("echo") not in (None, False):
         raise BadRequest("'echo' is a completions parameter", param="echo")
     top = _get_int(body, "top_logprobs", 0, MAX_LOGPROBS)

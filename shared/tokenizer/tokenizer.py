@@ -81,8 +81,18 @@ class Tokenizer:
     # ---- operations ---------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of ``text``. Special-token strings in the text map to their ids (as in HF)."""
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of ``text``. Special-token strings in the text map to their ids (as in HF).
+        Raises InvalidRequestError for text that is not valid Unicode: a lone UTF-16
+        surrogate, which a JSON body can carry as an escape ("\\ud800")."""
+        try:
+            return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        except TypeError:  # the backend takes only encodable str ("must be str")
+            at = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
+            if at is None:
+                raise
+            raise InvalidRequestError(
+                f"the text is not valid Unicode: a lone surrogate at character {at}"
+            ) from None
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``. Incomplete UTF-8 decodes to U+FFFD (use IncrementalDetokenizer)."""
