@@ -66,6 +66,15 @@ class GenerationRequest:
         )
 
 
+def _encode(tokenizer: Tokenizer, text: str, param: str) -> tuple[int, ...]:
+    """``text``'s token ids. Raises BadRequest naming ``param`` for text that is not valid
+    Unicode."""
+    try:
+        return tuple(tokenizer.encode(text))
+    except InvalidRequestError as exc:
+        raise BadRequest(str(exc), param=param) from None
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -208,10 +217,7 @@ def parse_completion(body: Any, tokenizer: Tokenizer, model_name: str) -> Genera
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("the prompt is empty", param="prompt")
-        try:
-            ids = tuple(tokenizer.encode(prompt))
-        except InvalidRequestError as exc:
-            raise BadRequest(str(exc), param="prompt") from None
+        ids = _encode(tokenizer, prompt, "prompt")
     elif isinstance(prompt, list) and prompt and _all_ints(prompt):
         ids = _token_ids(prompt, vocab, "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
@@ -271,10 +277,7 @@ def parse_chat(body: Any, tokenizer: Tokenizer, model_name: str) -> GenerationRe
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
     except FluidPDError as exc:
         raise BadRequest(str(exc), param="messages") from None
-    try:
-        ids = tuple(tokenizer.encode(text))
-    except InvalidRequestError as exc:
-        raise BadRequest(str(exc), param="messages") from None
+    ids = _encode(tokenizer, text, "messages")
     if body.get("echo") not in (None, False):
         raise BadRequest("'echo' is a completions parameter", param="echo")
     top = _get_int(body, "top_logprobs", 0, MAX_LOGPROBS)

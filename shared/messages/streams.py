@@ -87,6 +87,12 @@ class TokenItem(Message):
     handed_to: str | None = field(default=None, metadata=_ID)
     handed_role: Role | None = None
 
+    @classmethod
+    def hand_over(cls, request_id: str, to_worker_id: str, role: Role) -> TokenItem:
+        """The custody notice: the publisher hands ``request_id``'s ``role`` part to
+        ``to_worker_id`` (the router then takes that worker's items for it)."""
+        return cls(request_id=request_id, handed_to=to_worker_id, handed_role=role)
+
     def check(self) -> None:
         if (self.handed_to is None) != (self.handed_role is None):
             raise MessageError("fields handed_to/handed_role: both or neither")

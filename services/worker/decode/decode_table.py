@@ -62,10 +62,7 @@ class DecodeTable:
         """Queue the notice that ``peer_id`` now decodes ``req`` (the router accepts a
         request's tokens only from workers it was told of; the caller flushes it before the
         peer can stream). Handing it back to this worker undoes a notice."""
-        self._streamer.add(
-            req.tokens_subject,
-            TokenItem(request_id=req.request_id, handed_to=peer_id, handed_role=DECODE),
-        )
+        self._streamer.add(req.tokens_subject, TokenItem.hand_over(req.request_id, peer_id, DECODE))
 
     def finish(self, req: DecodeRequest) -> None:
         """Drop ``req`` and free its blocks."""

@@ -109,8 +109,7 @@ class RouterNotices:
         Returns once the notice is on the bus: call it before that worker can stream
         anything for the job (the router drops items from workers it was not told of)."""
         self._streamer.add(
-            job.msg.tokens_subject,
-            TokenItem(request_id=job.request_id, handed_to=to_worker_id, handed_role=role),
+            job.msg.tokens_subject, TokenItem.hand_over(job.request_id, to_worker_id, role)
         )
         await self._flush_now()
 
