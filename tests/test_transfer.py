@@ -304,6 +304,24 @@ def test_transfer_stopping_midway_hits_deadline_on_both_sides(peers: list[PeerPr
     dst.clean_state(free_dst)
 
 
+@pytest.mark.parametrize("mode", ["raise", "hang"])
+def test_failure_after_install_frees_the_installed_blocks(peers: list[PeerProc], mode: str) -> None:
+    """Everything validated and the table is installed, then settling the control
+    receives fails (raises, or outlasts the receive's deadline): the receive fails and the
+    installed sequence is freed, not left holding its blocks with nobody to run it."""
+    src, dst = peers[0], peers[1]
+    free_src, free_dst = src.call("state")["free_blocks"], dst.call("state")["free_blocks"]
+    dst.call("fail_settle", mode=mode)
+    rid = f"post-install-{mode}"
+    _, sent, recv = transfer(src, dst, rid, 100, recv_timeout_s=1.0, send_timeout_s=3.0)
+    assert not recv["ok"]
+    assert recv["error"] == ("kv_transfer_timeout" if mode == "hang" else "kv_transfer_error")
+    assert not sent["ok"]  # the receiver's failure verdict, or the sender's own deadline
+    assert rid not in dst.call("state")["sequences"]
+    src.clean_state(free_src)
+    dst.clean_state(free_dst)
+
+
 def test_late_write_after_cancel_cannot_land(peers: list[PeerProc]) -> None:
     src, dst = peers[0], peers[1]
     free_src, free_dst = src.call("state")["free_blocks"], dst.call("state")["free_blocks"]

@@ -6,9 +6,10 @@ owns the reservation from then on and ends in exactly one of two ways:
 - every segment arrived and the envelope, trailer, generations and checksums validated
   -> ``BlockManager.install`` in one step (the request becomes runnable), ok verdict sent;
 - anything else (rejection, sender abort, deadline, transport error, local cancellation)
-  -> ``cancel_reservation``; every posted UCX receive into the arena is cancelled and its
-  pin (begin_receive) released only once UCX reports it complete, so a late write can
-  never land in blocks that another request owns. Blocks are zeroed on free when the
+  -> ``cancel_reservation`` (``free_sequence`` once installed: a failure while settling
+  after the install); every posted UCX receive into the arena is cancelled and its pin
+  (begin_receive) released only once UCX reports it complete, so a late write can never
+  land in blocks that another request owns. Blocks are zeroed on free when the
   BlockManager was built with ``zero_fn=arena.zero_blocks`` (kv_zero_on_free).
 
 Segments land directly in ``arena.run_bytes`` views: zero copies on this side, also when
@@ -230,8 +231,15 @@ class KVReceiver:
         block_ids = self.bm.install(ticket.request_id, ticket.token_end, seq_id)
         t_inst = loop.time()
         abort_task.cancel()
-        await self._releaser.settle_control(st)
-        await self._send_verdict(env, True, "installed")
+        try:
+            await self._releaser.settle_control(st)
+            await self._send_verdict(env, True, "installed")
+        except BaseException:
+            # Failed (or cancelled, or past the deadline) before the caller got the
+            # sequence: nobody would ever run or free it, so free it here; the caller sees
+            # the error and ``receive`` reports it to the sender.
+            self.bm.free_sequence(seq_id)
+            raise
         timings = {
             "envelope_wait_ms": (t_env - t0) * 1e3,
             "data_ms": (t_data - t_env) * 1e3,

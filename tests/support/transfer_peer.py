@@ -151,6 +151,22 @@ class Peer:
             await self.node.settle(op, grace_s=0.05)
         return {"posted": len(ops), "matched": matched}
 
+    async def cmd_fail_settle(self, mode: str) -> dict[str, Any]:
+        """Fault the receiver's next settle of its control receives — in a receive that
+        validates, the one right after ``BlockManager.install``: ``raise`` makes it raise
+        (a transport fault), ``hang`` makes it wait past the receive's deadline. Later
+        settles (the release path's) run normally."""
+        releaser = self.receiver._releaser
+
+        async def faulty(st: Any) -> None:
+            del releaser.settle_control  # one shot: the class's method again
+            if mode == "hang":
+                await asyncio.Event().wait()
+            raise TransferError("settle failed (fault injected by the test)")
+
+        releaser.settle_control = faulty  # type: ignore[method-assign]
+        return {}
+
     async def cmd_digests(self, seq: str) -> dict[str, Any]:
         ids = self.bm.block_table(seq)
         return {"block_ids": list(ids), "digests": self.digests(ids)}
