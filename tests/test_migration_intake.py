@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -132,5 +133,35 @@ async def test_a_failed_receive_from_a_prefill_worker_still_ends_the_stream(
         ("r2", "error", "kv_transfer_timeout")
     ]
     assert role.table.drained() and role.stats().migrations_in_failed_total == failed_before
+    assert bm.num_reserved_blocks == 0 and bm.num_free_blocks == bm.num_usable_blocks
+    bm.check_integrity()
+
+
+async def test_a_migration_for_a_request_cancelled_before_it_came_is_refused(
+    peer: tuple[DecodeRole, TokenStreamer],
+) -> None:
+    """The router's cancel reached this peer (in custody since the hand-over item) before
+    the source's MigrateRequest: the migration is refused, so nothing decodes for nobody
+    and no KV or batch slot is held; a cancel that comes after the accept still ends the
+    receive and frees its reservation."""
+    role, streamer = peer
+    bm = role.bm
+    early = dataclasses.replace(MIGRATION, request_id="r3")
+    assert role.cancel("r3") is False  # unknown here: remembered
+    reply = role.admit_migration(early)
+    assert not reply.ok and reply.error is not None and "cancelled" in reply.error
+    assert "r3" not in role.table.requests and role.table.drained()
+    assert bm.num_reserved_blocks == 0 and bm.num_free_blocks == bm.num_usable_blocks
+    bm.check_integrity()
+
+    late = dataclasses.replace(MIGRATION, request_id="r4")
+    reply = role.admit_migration(late)
+    assert reply.ok, reply
+    task = role.table.requests["r4"].receive_task
+    assert task is not None
+    assert role.cancel("r4") is True
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5.0)
+    assert role.table.drained() and _items(streamer) == []
     assert bm.num_reserved_blocks == 0 and bm.num_free_blocks == bm.num_usable_blocks
     bm.check_integrity()

@@ -257,9 +257,15 @@ class DecodeIntake:
         self.table.make_runnable(req)
 
     def admit_migration(self, msg: MigrateRequest) -> AdmitReply:
-        """Take over a running request from a peer: reserve, receive its KV, continue."""
+        """Take over a running request from a peer: reserve, receive its KV, continue.
+        Refuses (holding nothing) when not admitting, full, or the id was cancelled here."""
         if not self.admitting:
             return AdmitReply(ok=False, error="worker is not admitting decode work")
+        if msg.request_id in self.table.cancelled:
+            # The router's cancel (we are in its custody since the hand-over item) overtook
+            # the source's MigrateRequest: taking it would decode for nobody. The source
+            # got the same cancel and ends it there.
+            return AdmitReply(ok=False, error=f"request {msg.request_id} was cancelled")
         if msg.request_id in self.table.requests or len(self.table.requests) >= self.max_num_seqs:
             return AdmitReply(ok=False, error="cannot take this request now")
         req, refusal = self._reserve(
