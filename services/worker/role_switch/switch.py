@@ -231,9 +231,15 @@ class RoleSwitcher:
     async def _migrate_long_requests(self) -> bool:
         """Move every long-running request to a peer. False if one of them stayed here
         (each request is settled by ``migrate_out`` either way: never left frozen)."""
+        # Only Active decode workers of the registry: never one that is itself leaving
+        # (draining, switching); one whose drain we do not see yet refuses the move
+        # (handlers.on_migrate), and the next peer is tried.
         peers = [r.worker_id for r in self._active_peers(DECODE)]
         if not peers:
-            return True  # fall back to waiting, bounded by the drain deadline
+            # Fall back to waiting for the requests to end here, bounded by the drain
+            # deadline (then the switch is cancelled, not failed).
+            log.info("migration_no_active_peer", worker_id=self.worker_id)
+            return True
         moves = self._decode.long_running(self.migrate_min_remaining_s)
         # All leave the batch at the same step boundary and move concurrently, so the drain
         # is about one step plus one transfer, not their sum.
