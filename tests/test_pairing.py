@@ -260,3 +260,37 @@ def test_round_robin_withdrawn_keeps_the_prefill_turn_and_gives_back_the_decode_
     assert rr.choose(P, D, request_id="a") == ("p2", "d1")  # ... d1 was never used
     rr.withdraw("shed")  # not the latest choice: ignored
     assert rr.choose(P, D, request_id="b") == ("p3", "d2")
+
+
+@pytest.mark.parametrize("fresh_prefill", [False, True], ids=["all-stale", "decode-stale"])
+def test_a_withdrawn_fallback_choice_rewinds_the_round_robin_as_round_robin_does(
+    fresh_prefill: bool,
+) -> None:
+    """Without fresh telemetry the pressure policy picks by round robin; a withdrawn choice
+    made that way gives its decode turn back exactly as RoundRobinPolicy.withdraw does
+    (the prefill turn stays taken), so the picks after it are round robin's. With fresh
+    prefill telemetry only the decode pick is a fallback one, and only it is rewound."""
+    pol, rr = policy(), RoundRobinPolicy()
+    if fresh_prefill:
+        for wid, ppi in (("p1", 0.0), ("p2", 0.25), ("p3", 0.5)):
+            pol.observe(telemetry(wid, "prefill", ppi=ppi), now_mono_s=T0)
+    kw: dict[str, Any] = {"prompt_tokens": 128, "max_tokens": 128}
+
+    def decode_picks(sequence: list[tuple[str, bool]]) -> tuple[list[str], list[str]]:
+        got, want = [], []
+        for rid, shed in sequence:
+            got.append(pol.choose(P, D, request_id=rid, now_mono_s=T0 + 0.001, **kw)[1])
+            want.append(rr.choose(P, D, request_id=rid)[1])
+            if shed:
+                pol.withdraw(rid)
+                rr.withdraw(rid)
+        return got, want
+
+    got, want = decode_picks([("shed", True), ("a", False), ("b", True), ("c", False)])
+    assert got == want == ["d1", "d1", "d2", "d2"]
+    if not fresh_prefill:  # every pick a fallback one: the whole pair is round robin's
+        assert pol.choose(P, D, request_id="x", **kw) == rr.choose(P, D, request_id="x")
+    pol.withdraw("a")  # not the latest choice: ignored, as by round robin
+    rr.withdraw("a")
+    got, want = decode_picks([("y", False)])
+    assert got == want

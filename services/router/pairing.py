@@ -79,6 +79,12 @@ class RoundRobinPolicy:
         self._cursor[role] = i + 1
         return ids[i % len(ids)]
 
+    def claim(self, request_id: str | None) -> None:
+        """The decode turn just taken with ``pick`` was ``request_id``'s (None: no decode
+        turn, or none to give back): ``withdraw(request_id)`` then gives it back. For a
+        caller that takes turns role by role (PressurePolicy's fallback). Mutates."""
+        self._last = request_id
+
     def choose(
         self,
         prefill: Sequence[WorkerRecord],
@@ -91,7 +97,7 @@ class RoundRobinPolicy:
     ) -> tuple[str, str]:
         p_ids = candidate_ids(prefill, exclude, PREFILL)
         d_ids = candidate_ids(decode, exclude, DECODE)
-        self._last = request_id
+        self.claim(request_id)
         return self.pick(PREFILL, p_ids), self.pick(DECODE, d_ids)
 
     def settle(self, request_id: str) -> None:

@@ -175,7 +175,11 @@ class PressurePolicy:
 
     def withdraw(self, request_id: str) -> None:
         """Undo the latest ``choose`` if it was for ``request_id`` (shed before it was
-        sent): its prefill ledger entry and its decode pairing. Else nothing."""
+        sent): its prefill ledger entry and its decode pairing, or, for a pick made by the
+        round-robin fallback, what RoundRobinPolicy.withdraw undoes. Else nothing."""
+        # A decode turn the round-robin fallback took for it goes back as round robin
+        # gives it back (its prefill turn stays taken); a no-op unless it took one.
+        self._fallback.withdraw(request_id)
         last, self._last = self._last, None
         if last is None or last[0] != request_id:
             return
@@ -259,6 +263,9 @@ class PressurePolicy:
         work_s = cfg.prefill_work_s(prompt)
         self._record(p, now, work_s, 0)
         self._last = None if request_id is None else (request_id, p, (now, work_s, 0))
+        # No fresh decode telemetry (_pick's test): d was the fallback's turn (``withdraw``).
+        d_fallback = all(self._fresh(w, now) is None for w in d_ids)
+        self._fallback.claim(request_id if d_fallback else None)
         rec = next(r for r in decode if r.worker_id == d)
         kv = admission_kv_tokens(prompt, out, rec.decode_reserve_tokens, rec.max_model_len)
         if request_id is None:
