@@ -1,12 +1,17 @@
 """A decode worker's intake when a KV receive fails, in-process: the emulated tiny engine
-and a real UCX receiver (services/worker/decode/decode_intake.py). Nothing ever sends, so
-each receive ends at its deadline, through the receiver's real failure path.
+and a real UCX receiver (services/worker/decode/decode_intake.py). In the first two cases
+nothing ever sends, so each receive ends at its deadline, through the receiver's real
+failure path.
 
 * An incoming live migration: the source owns the move's outcome (it resumes the request
   or moves it on), so the peer ends it without an item on the request's stream; its
   reservation is freed and nothing is left in its table or block manager.
 * A plain admit from a prefill worker: the error item still ends the stream (the prefill
   worker does not retry a failed export).
+
+* A cancel that overtakes the migration: refused when the peer was told first; when only
+  the source was told (while it asked the peer), the source moves nothing and has the
+  peer drop its reservation (a source in this process beside the peer, sharing its node).
 
 The same fault on real processes, through the router: test_fail_migration.py."""
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,18 +29,28 @@ import pytest_asyncio
 
 from services.worker.config import WorkerConfig
 from services.worker.decode.decode_role import DecodeRole
-from services.worker.engine_factory import build_engine
+from services.worker.engine_factory import build_engine, fingerprint_of
+from services.worker.role_switch.migration import Migrator
 from services.worker.token_stream import TokenStreamer
-from services.worker.transfer_endpoints import open_transfer
+from services.worker.transfer_endpoints import TransferEndpoints, open_transfer
+from shared.bus import Bus, BusConfig
+from shared.engine.interface import StepEngine
 from shared.messages import (
+    AdmitReply,
     AdmitRequest,
+    CancelRequest,
     MigrateRequest,
+    PrefillRequest,
     SamplingParams,
     StreamSequencer,
+    Subjects,
     TokenBatch,
     TokenItem,
 )
 from shared.policy.roles import DECODE
+from shared.transfer.receiver import KVReceiver
+from shared.transfer.sender import KVSender
+from tests.support.nats_server import NatsServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -53,26 +69,42 @@ MIGRATION = MigrateRequest(
 )
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")  # UCX: one node per process
-async def peer() -> AsyncIterator[tuple[DecodeRole, TokenStreamer]]:
-    cfg = WorkerConfig(
-        worker_id="d1", role=DECODE, engine="emulated", num_kv_blocks=32, cluster_secret="s" * 32
+def _config(worker_id: str) -> WorkerConfig:
+    return WorkerConfig(
+        worker_id=worker_id,
+        role=DECODE,
+        engine="emulated",
+        num_kv_blocks=32,
+        cluster_secret="s" * 32,
     )
-    engine = build_engine(cfg)
-    streamer = TokenStreamer(StreamSequencer("d1"))
+
+
+def _role(engine: StepEngine, receiver: KVReceiver, streamer: TokenStreamer) -> DecodeRole:
+    return DecodeRole(
+        engine,
+        receiver,
+        streamer,
+        ThreadPoolExecutor(1),  # no step runs here: never used
+        lambda: None,
+        transfer_timeout_s=TRANSFER_TIMEOUT_S,
+        max_num_seqs=8,
+    )
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")  # UCX: one node per process
+async def endpoints() -> AsyncIterator[tuple[StepEngine, TransferEndpoints]]:
+    engine = build_engine(_config("d1"))
     async with contextlib.AsyncExitStack() as stack:
-        executor = stack.enter_context(ThreadPoolExecutor(1))
-        receiver = (await open_transfer(cfg, engine, stack)).receiver
-        role = DecodeRole(
-            engine,
-            receiver,
-            streamer,
-            executor,
-            lambda: None,
-            transfer_timeout_s=TRANSFER_TIMEOUT_S,
-            max_num_seqs=8,
-        )
-        yield role, streamer
+        yield engine, await open_transfer(_config("d1"), engine, stack)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def peer(
+    endpoints: tuple[StepEngine, TransferEndpoints],
+) -> AsyncIterator[tuple[DecodeRole, TokenStreamer]]:
+    engine, transfer = endpoints
+    streamer = TokenStreamer(StreamSequencer("d1"))
+    yield _role(engine, transfer.receiver, streamer), streamer
 
 
 def _items(streamer: TokenStreamer) -> list[TokenItem]:
@@ -165,3 +197,89 @@ async def test_a_migration_for_a_request_cancelled_before_it_came_is_refused(
     assert role.table.drained() and _items(streamer) == []
     assert bm.num_reserved_blocks == 0 and bm.num_free_blocks == bm.num_usable_blocks
     bm.check_integrity()
+
+
+async def test_a_request_cancelled_while_its_move_is_asked_is_not_moved(
+    endpoints: tuple[StepEngine, TransferEndpoints],
+    peer: tuple[DecodeRole, TokenStreamer],
+    nats_server_module: NatsServer,
+) -> None:
+    """The router's cancel reaches the source (d0) while it asks d1 to take the request
+    (the router does not know of d1 yet, so d1 gets no cancel of its own): the source must
+    not move it anyway, or d1 would decode it for nobody, holding KV and a batch slot. It
+    tells d1 to drop its reservation and ends the request here. The source runs in this
+    process beside d1 (one UCX node, d1's; its KV would go to d1 over it); real nats."""
+    role1, _ = peer
+    node = endpoints[1].node
+    cfg0 = _config("d0")
+    engine0 = build_engine(cfg0)
+    fp, secret = fingerprint_of(engine0), cfg0.secret_bytes
+    receiver0 = KVReceiver(
+        node,
+        worker_id="d0",
+        block_manager=engine0.block_manager,
+        arena=engine0.arena,
+        fingerprint=fp,
+        secret=secret,
+    )
+    role0 = _role(engine0, receiver0, TokenStreamer(StreamSequencer("d0")))
+    role0.serve_local(
+        PrefillRequest(
+            request_id="r5",
+            router_id="rt",
+            prompt_token_ids=tuple(range(4, 44)),
+            sampling=SamplingParams(max_tokens=50, seed=3),
+            decode_worker_id="d0",
+            arrival_time_s=0.0,
+            ttft_deadline_s=10.0,
+            tokens_subject="tokens.rt",
+        )
+    )
+    seq = role0.table.requests["r5"].seq  # as if its prompt ran and one token came out
+    seq.num_cached_tokens, seq.output_token_ids = 40, [7]
+    bm0, bm1 = engine0.block_manager, role1.bm
+    subjects = Subjects(prefix=f"t{os.urandom(3).hex()}")
+    cancels: list[str] = []
+
+    async def on_migrate(msg: MigrateRequest) -> AdmitReply:
+        role0.cancel(msg.request_id)  # the client left: the router's cancel reaches d0
+        return role1.admit_migration(msg)
+
+    async def on_cancel(msg: CancelRequest) -> None:
+        cancels.append(msg.request_id)
+        role1.cancel(msg.request_id)
+
+    async with Bus(BusConfig(servers=(nats_server_module.url,)), subjects) as bus:
+        await bus.serve(subjects.worker_migrate("d1"), MigrateRequest, on_migrate)
+        await bus.serve(subjects.worker_cancel("d1"), CancelRequest, on_cancel)
+        sender0 = KVSender(node, worker_id="d0", fingerprint=fp, secret=secret)
+        migrator = Migrator(
+            "d0",
+            bus,
+            subjects,
+            engine0,
+            sender0,
+            role0.table,
+            secret=secret,
+            transfer_timeout_s=2.0,
+            flush_now=_no_flush,
+        )
+        assert await migrator.migrate_out("r5", ["d1"]) is True  # it no longer runs here
+        assert role0.table.drained() and bm0.num_free_blocks == bm0.num_usable_blocks
+        bm0.check_integrity()
+        deadline = asyncio.get_running_loop().time() + 5.0
+        while not (role1.table.drained() and bm1.num_reserved_blocks == 0):
+            assert asyncio.get_running_loop().time() < deadline, (
+                role1.table.requests,
+                bm1.sequences(),
+            )
+            await asyncio.sleep(0.01)
+        assert cancels == ["r5"] and "r5" not in bm1.sequences()
+        assert bm1.num_free_blocks == bm1.num_usable_blocks
+        bm1.check_integrity()
+        sender0.close()
+    receiver0.close()
+
+
+async def _no_flush() -> None:
+    """The source's token flush: nothing to flush in this test (no router listens)."""

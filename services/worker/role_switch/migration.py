@@ -16,6 +16,9 @@ Outcomes, and what becomes of the request here:
   ticket does not verify, the sender's error is retryable) -> the next peer is tried, and
   if none takes it the request resumes here (``unfreeze``); a peer that reserved blocks for
   a ticket we never used is told to cancel, so its reservation is freed at once;
+* cancelled while it moves (the router's cancel reaches only us until the peer streams):
+  not moved if the peer has not received it yet (a peer that reserved for it is told to
+  cancel), else passed on to the peer once installed there, so nothing decodes for nobody;
 * outcome unknown (our last message went out but no verdict came back: the peer may have
   installed the blocks and be decoding it) -> the request is **never** resumed here (one
   request must not run on two workers): its stream ends with ``migration_failed``, its
@@ -127,6 +130,8 @@ class Migrator:
             msg = self._message(req)
             num_tokens = req.seq.num_cached_tokens
             for peer in peers:
+                if request_id in dec.doomed:
+                    return True  # cancelled meanwhile: nothing to move (unfreeze ends it)
                 try:
                     reply = await self._bus.request(
                         self._subjects.worker_migrate(peer),
@@ -138,6 +143,11 @@ class Migrator:
                     continue
                 if not reply.ok:
                     continue
+                if request_id in dec.doomed:
+                    # Cancelled while the peer reserved for it; the router's cancel went
+                    # only to us (it does not know the peer yet): free the peer's blocks.
+                    await self._cancel_on(peer, request_id, "cancelled while migrating")
+                    return True
                 try:  # e.g. the peer seals with another cluster secret (rotation)
                     ticket = TransferTicket.decode(reply.ticket, self._secret)
                 except Exception as exc:
@@ -186,8 +196,11 @@ class Migrator:
                     await self._cancel_on(peer, request_id, "migration outcome unknown")
                     return True
                 settled = True
+                cancelled = request_id in dec.doomed  # during the send: the peer runs it now
                 dec.migrated(req, peer)
                 log.info("request_migrated", request_id=request_id, peer=peer, kv_tokens=num_tokens)
+                if cancelled:  # our cancel handler found no peer to pass it on to: pass it now
+                    await self._cancel_on(peer, request_id, "cancelled while migrating")
                 return True
             if announced:  # it resumes here: take it back before the next token
                 dec.hand_over(req, self.worker_id)
