@@ -172,10 +172,10 @@ async def test_a_failed_receive_from_a_prefill_worker_still_ends_the_stream(
 async def test_a_migration_for_a_request_cancelled_before_it_came_is_refused(
     peer: tuple[DecodeRole, TokenStreamer],
 ) -> None:
-    """The router's cancel reached this peer (in custody since the hand-over item) before
-    the source's MigrateRequest: the migration is refused, so nothing decodes for nobody
-    and no KV or batch slot is held; a cancel that comes after the accept still ends the
-    receive and frees its reservation."""
+    """A cancel of the request reached this peer before the source's MigrateRequest (the
+    router's, during an earlier move of it that failed): the migration is refused, so
+    nothing decodes for nobody and no KV or batch slot is held; a cancel that comes after
+    the accept still ends the receive and frees its reservation."""
     role, streamer = peer
     bm = role.bm
     early = dataclasses.replace(MIGRATION, request_id="r3")

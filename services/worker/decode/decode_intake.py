@@ -262,9 +262,9 @@ class DecodeIntake:
         if not self.admitting:
             return AdmitReply(ok=False, error="worker is not admitting decode work")
         if msg.request_id in self.table.cancelled:
-            # The router's cancel (we are in its custody since the hand-over item) overtook
-            # the source's MigrateRequest: taking it would decode for nobody. The source
-            # got the same cancel and ends it there.
+            # Cancelled before this move came (the router's cancel reached us during an
+            # earlier move of it, or a cancel overtook this one): taking it would decode
+            # for nobody. The source was told as well (it is in custody) and ends it.
             return AdmitReply(ok=False, error=f"request {msg.request_id} was cancelled")
         if msg.request_id in self.table.requests or len(self.table.requests) >= self.max_num_seqs:
             return AdmitReply(ok=False, error="cannot take this request now")
