@@ -29,12 +29,23 @@ T0 = 1000.0  # monotonic seconds of the first telemetry in each test
 
 
 def telemetry(
-    worker_id: str, role: Role, *, seq: int = 0, ppi: float = 0.0, dpi_adm: float = 0.0
+    worker_id: str,
+    role: Role,
+    *,
+    seq: int = 0,
+    ppi: float = 0.0,
+    dpi_adm: float = 0.0,
+    queue_work_s: float | None = None,
 ) -> WorkerTelemetry:
+    """A prefill worker at PPI ``ppi`` has ``ppi`` x S_TTFT (1 s) of work queued unless
+    told otherwise (its queue's deadlines all S_TTFT away), so both prefill ranks agree."""
     free_blocks = round(128 * (1 - dpi_adm))
+    work_s = ppi if queue_work_s is None else queue_work_s
+    metrics = {"queue_work_s": work_s} if role == "prefill" else {}
     return worker_telemetry(
-        worker_id, role, seq=seq, free_blocks=free_blocks, ppi=ppi, dpi_adm=dpi_adm
-    )
+        worker_id, role, seq=seq, free_blocks=free_blocks, ppi=ppi, dpi_adm=dpi_adm,
+        metrics=metrics,
+    )  # fmt: skip
 
 
 P = [worker_record("p1", "prefill"), worker_record("p2", "prefill"), worker_record("p3", "prefill")]
@@ -294,3 +305,24 @@ def test_a_withdrawn_fallback_choice_rewinds_the_round_robin_as_round_robin_does
     rr.withdraw("a")
     got, want = decode_picks([("y", False)])
     assert got == want
+
+
+def test_prefill_ranks_by_the_wait_the_door_predicts_before_the_ppi() -> None:
+    """p1 holds one request near its deadline (PPI 0.9, 0.25 s queued); p2 holds fresh long
+    work (PPI 0.5, 0.75 s queued). A newcomer waits less on p1, so p1 is picked although its
+    PPI is higher: the door (predicted TTFT = queued work + own T_pre, multiple 1 x S_TTFT)
+    admits it there and would shed it on p2. Then the work sent to p1 counts: the second
+    newcomer's wait is 0.25 + 0.5 on p1, 0.75 on p2 — a tie the PPI estimate breaks."""
+    from shared.policy.admission import SheddingConfig, predicted_ttft_s, should_shed
+
+    pol = policy()
+    pol.observe(telemetry("p1", "prefill", ppi=0.9, queue_work_s=0.25), now_mono_s=T0)
+    pol.observe(telemetry("p2", "prefill", ppi=0.5, queue_work_s=0.75), now_mono_s=T0)
+    two = P[:2]
+    picks = [pol.choose(two, D, prompt_tokens=512, now_mono_s=T0)[0] for _ in range(2)]
+    # Second pick: p1's estimated PPI is 0.9 + 0.5, p2's 0.5: p2.
+    assert picks == ["p1", "p2"]
+    door = SheddingConfig(ttft_multiple=1.0)
+    assert PROFILE.prefill_time_s(512) == 0.5
+    assert not should_shed(predicted_ttft_s(0.25, 512, PROFILE), 1.0, door)
+    assert should_shed(predicted_ttft_s(0.75, 512, PROFILE), 1.0, door)

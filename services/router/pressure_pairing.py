@@ -6,10 +6,14 @@ back to are pairing.py).
 request to a prefill/decode worker pair") ranks Active workers by their telemetry, **plus
 the work this router has sent them since that telemetry**:
 
-- prefill: the estimated PPI (eq. 3–5). Every request sent since the telemetry adds its
-  predicted prefill time T_pre(L) (eq. 2) to the worker's queued work; its deadline is
-  ~S_TTFT away, so the estimate rises by T_pre(L) / S_TTFT per assignment
-  (``prefill_score``). Ties: telemetry queue length + requests sent since.
+- prefill: first the wait a newcomer would see (``prefill_wait_s``): the work queued there
+  (telemetry ``queue_work_s``, Σ T_pre + the running prefill's remainder) plus the
+  predicted prefill time T_pre(L) (eq. 2) of every request sent since the telemetry — the
+  quantity the router's door sheds on, so a request goes where the door admits it if
+  anywhere. Ties: the estimated PPI (eq. 3–5), which rises by T_pre(L) / S_TTFT per
+  assignment (its deadline is ~S_TTFT away; ``prefill_score``); then telemetry queue
+  length + requests sent since. (Ranking on the PPI first shed more than round robin at
+  saturation: docs/results.md, Session 11.)
 - decode: the estimated DPI_adm (eq. 8). The KV each request sent since will reserve at
   admission (prompt + decode horizon) counts against the worker's free capacity, and
   each takes one admission slot (``max_num_seqs``): the larger fraction ranks
@@ -28,7 +32,7 @@ ours, so a message received at ``t`` is taken to reflect the sends made up to
 ``t − telemetry_lag_s`` (NATS transit both ways plus the snapshot); later sends stay counted
 until the next message. The approximation errs toward over-counting for one period.
 
-``prefill_score`` / ``decode_score`` (shared/policy/pairing.py) are pure and shared with
+``prefill_wait_s`` / ``prefill_score`` / ``decode_score`` (shared/policy/pairing.py) are pure and shared with
 the simulator (services/sim/router.py), so both rank workers the same way. Deterministic:
 ids break every remaining tie. Only records in state ``active`` are candidates (callers
 pass them).
@@ -45,7 +49,7 @@ from dataclasses import dataclass, field
 from services.router.pairing import RoundRobinPolicy, candidate_ids
 from shared.engine.profiles import load_profile
 from shared.messages import WorkerRecord, WorkerTelemetry
-from shared.policy.pairing import decode_score, prefill_score
+from shared.policy.pairing import decode_score, prefill_score, prefill_wait_s
 from shared.policy.predictors import LatencyProfile
 from shared.policy.pressure import admission_kv_tokens
 from shared.policy.roles import DECODE, PREFILL, Role
@@ -201,7 +205,11 @@ class PressurePolicy:
         n = len(ledger.entries) if ledger else 0
         if role == PREFILL:
             work = ledger.work_s if ledger else 0.0
-            return (prefill_score(tel.ppi, work, self.cfg.ttft_s), float(tel.queue_len + n))
+            return (
+                prefill_wait_s(tel.metrics.get("queue_work_s", 0.0), work),
+                prefill_score(tel.ppi, work, self.cfg.ttft_s),
+                float(tel.queue_len + n),
+            )
         n += self._pending_n.get(wid, 0)
         kv = (ledger.kv_tokens if ledger else 0) + self._pending_kv.get(wid, 0)
         blocks = -(-kv // max(1, rec.kv_block_size))

@@ -2,9 +2,11 @@
 
 * round_robin: independent cursors over the sorted Active prefill ids and decode ids.
 * pressure: the same ranking as the real ``PressurePolicy``, through the same scoring
-  functions (``prefill_score``, ``decode_score``): the Active prefill worker with the lowest
-  estimated PPI — telemetry PPI + Σ T_pre(L) / S_TTFT over the requests sent since its last
-  telemetry (ties: telemetry queue length + sent since) — and the Active decode worker with
+  functions (``prefill_wait_s``, ``prefill_score``, ``decode_score``): the Active prefill
+  worker with the least predicted wait — its queued work at its last telemetry
+  (``queue_work_tel``, the door's ``queue_work_s``) + Σ T_pre(L) over the requests sent
+  since — then the lowest estimated PPI (telemetry PPI + that Σ / S_TTFT; ties: telemetry
+  queue length + sent since) — and the Active decode worker with
   the lowest estimated admission pressure — the larger of telemetry DPI_adm + the blocks of
   its unsettled pairings / its blocks, and (running + unsettled) / ``max_num_seqs`` (ties:
   unsettled, then most free blocks) — then id. A decode pairing is settled when the
@@ -30,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 
 from services.sim.workers import SimRequest, SimWorker
-from shared.policy.pairing import decode_score, prefill_score
+from shared.policy.pairing import decode_score, prefill_score, prefill_wait_s
 from shared.policy.predictors import LatencyProfile
 from shared.policy.roles import ACTIVE, DECODE, PREFILL, Role
 
@@ -88,6 +90,7 @@ class SimRouter:
         best = min(
             ids,
             key=lambda w: (
+                prefill_wait_s(w.queue_work_tel, work[w.index] if w.sent_since else 0.0),
                 prefill_score(w.ppi, work[w.index] if w.sent_since else 0.0, ttft),
                 w.queue_len_tel + w.sent_since,
                 w.wid,

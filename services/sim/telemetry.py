@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, cast
 
 from services.sim.events import E_SAMPLE, E_TELEMETRY
 from services.sim.workers import SimWorker
+from shared.policy.admission import queue_work_s
 from shared.policy.fluidtoken import StealBudget
 from shared.policy.prefill_pressure import QueuedRequest, queue_ppi
 from shared.policy.pressure import (
@@ -128,6 +129,7 @@ class Telemetry:
             w.queue_len_tel = w.queue_len()
             w.free_blocks_tel = w.free_blocks
             w.running_tel = w.running
+            w.queue_work_tel = 0.0
             if w.role == DECODE:
                 if not (cfg.fluidtoken or cfg.fluidrole):
                     # Pressure pairing alone reads DPI_adm only (eq. 8): skip the rest.
@@ -144,6 +146,10 @@ class Telemetry:
             self.budgets.pop(w.wid, None)
             cur = w.current
             running_s = self.profile.prefill_time_s(cur.prompt) if cur is not None else 0.0
+            if cfg.pairing == "pressure":
+                w.queue_work_tel = queue_work_s(
+                    (x.prompt for x in w.queue), self.profile, running_remaining_s=running_s
+                )
             if w.queue or running_s:
                 # SimRequest has QueuedRequest's fields: the queue is read in place.
                 view = cast("list[QueuedRequest]", islice(w.queue, window))

@@ -162,6 +162,7 @@ class SimWorker:
         self.dpi_load = 0.0
         self.dpi_adm = 0.0
         self.queue_len_tel = 0
+        self.queue_work_tel = 0.0  # prefill: queue_work_s at the last tick (the door's view)
         self.free_blocks_tel = num_blocks
         self.running_tel = 0
         # Requests refused for capacity and retried by their prefill workers (the live

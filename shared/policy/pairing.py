@@ -9,6 +9,19 @@ each caller.
 from __future__ import annotations
 
 
+def prefill_wait_s(queue_work_s: float, sent_work_s: float) -> float:
+    """Predicted queue wait of a newcomer on a prefill worker, the first rank of a prefill
+    pick: the work its telemetry shows queued (``queue_work_s``: Σ T_pre over its queue plus
+    the running prefill's remainder) plus the predicted work ``sent_work_s`` (Σ T_pre(L),
+    eq. 2) of the requests sent since. It is the quantity the router's door sheds on
+    (shared/policy/admission.py), so the worker with the least wait is the one the door
+    admits a request to if any does. Ranking on the PPI alone (max over the queue of work
+    ahead / time left, eq. 3-5) sent a newcomer to a worker with fresh but long work
+    queued, behind deadlines far away, and the door then shed it: at saturation pressure
+    pairing shed more than round robin (docs/results.md, Session 11)."""
+    return queue_work_s + sent_work_s
+
+
 def prefill_score(ppi: float, sent_work_s: float, ttft_s: float) -> float:
     """Estimated PPI of a prefill worker: its telemetry PPI raised by the predicted prefill
     work ``sent_work_s`` (Σ T_pre(L) of the requests sent since, eq. 2) over the TTFT budget
