@@ -357,3 +357,18 @@ def test_gguf_config_matches_hf(smol_pair):
     assert cfg.bos_token_id == hf.generation_config.bos_token_id
     assert cfg.eos_token_ids == (hf.generation_config.eos_token_id,) == ours.tokenizer.eos_token_ids
     assert ours.source.endswith(_SMOL_FILE)
+
+
+def test_device_names_and_missing_cuda_devices_are_clear_errors(cache_home):
+    """A device torch would take but cannot serve on fails at config or load time with
+    one typed error naming it, not mid-startup inside torch."""
+    from shared.engine.config import EngineConfig
+    from shared.engine.engine import Engine
+
+    for bad in ("gpu0", "mps", "cuda:x", "cuda:", ""):
+        with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:N"):
+            EngineConfig(model="tiny", device=bad)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = f"cuda:{count}"  # one past the last visible device
+    with pytest.raises(ModelLoadError, match=rf"device {missing}: no such CUDA device"):
+        Engine.load(EngineConfig(model="tiny", device=missing))

@@ -110,6 +110,7 @@ def test_vllm_style_context_and_memory_flags(monkeypatch: pytest.MonkeyPatch) ->
         (["--max-model-len", "-1"], "max_model_len must be >= 0"),
         (["--gpu-memory-utilization", "0.9"], "needs the torch engine on a CUDA device"),
         (["--device", "cuda", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+        (["--device", "gpu0"], "device must be cpu, cuda or cuda:N, got 'gpu0'"),
     ],
 )
 def test_bad_context_and_memory_flags_exit_2(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
+from shared.engine.defaults import check_device_name
 from shared.errors import FluidPDError
 
 
@@ -43,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
-        parser.error(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    try:
+        check_device_name(args.device)
+    except ValueError as exc:
+        parser.error(f"--{exc}")
     if args.device != "cpu":
         import torch
 

@@ -8,7 +8,7 @@ import socket
 from dataclasses import dataclass, field
 
 from shared.bus.config import BusConfig
-from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
+from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES, check_device_name
 from shared.policy.admission import DEFAULT_EXPIRE_MARGIN_S
 from shared.policy.roles import ROLES, Role
 
@@ -82,6 +82,7 @@ class WorkerConfig:
             raise ValueError(f"worker_id must be a non-empty NATS token, got {self.worker_id!r}")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        check_device_name(self.device)
         if self.engine not in ENGINES:
             raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
         if self.migrate_min_remaining_s < 0:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES
+from shared.engine.defaults import DEFAULT_KV_CACHE_BYTES, check_device_name
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -105,6 +105,7 @@ class EngineConfig:
     extra: tuple[tuple[str, Any], ...] = field(default=())
 
     def __post_init__(self) -> None:
+        check_device_name(self.device)
         if self.dtype == "auto":
             # Frozen: resolved once so every reader (fingerprint, arena, logs) sees one name.
             object.__setattr__(self, "dtype", default_dtype(self.device))

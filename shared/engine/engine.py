@@ -26,7 +26,7 @@ from shared.engine.logprobs import PromptLogprobsSpec, StepOutput, score_rows
 from shared.engine.memory import kv_budget_bytes
 from shared.engine.model import LlamaModel
 from shared.engine.sampler import sample
-from shared.errors import ContextLengthError
+from shared.errors import ContextLengthError, ModelLoadError
 from shared.policy.roles import DECODE
 from shared.sampling_params import SamplingParams
 
@@ -98,8 +98,17 @@ class Engine:
 
     @classmethod
     def load(cls, cfg: EngineConfig) -> Engine:
-        """Load ``cfg.model`` through the one loader. Raises ModelLoadError on bad files."""
+        """Load ``cfg.model`` through the one loader. Raises ModelLoadError on bad files or
+        a CUDA device this host does not have."""
         from shared.engine.loader import load_model
+
+        if cfg.device.startswith("cuda"):
+            index = int(cfg.device.partition(":")[2] or 0)
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if index >= count:
+                raise ModelLoadError(
+                    f"device {cfg.device}: no such CUDA device ({count} visible to this process)"
+                )
 
         return cls(cfg, load_model(cfg.model, cfg.torch_dtype))
 
