@@ -9,7 +9,7 @@ import math
 
 from services.sim import SimConfig, Simulation, config_for
 from shared.engine.profiles import load_profile
-from shared.policy.admission import SheddingConfig
+from shared.policy.admission import DEFAULT_DECODE_BACKLOG_BATCHES, SheddingConfig
 from shared.policy.pressure import admission_kv_tokens
 from shared.trace_request import TraceRequest
 
@@ -59,7 +59,7 @@ def test_router_sheds_while_every_decode_worker_has_a_batch_waiting() -> None:
     trace = [TraceRequest(i * 0.05, 200, 3000, "x") for i in range(40)]
     base = SimConfig(workers=4, prefill_workers=3, max_num_seqs=2)
     only_backlog = SheddingConfig(ttft_multiple=0.0, expire_margin_s=None)
-    assert only_backlog.decode_backlog_batches == 1.0  # the live router's default
+    assert only_backlog.decode_backlog_batches == DEFAULT_DECODE_BACKLOG_BATCHES  # live's
     sim = Simulation(
         trace, config_for("static", dataclasses.replace(base, shedding=only_backlog)), PROFILE
     )

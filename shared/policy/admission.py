@@ -36,8 +36,13 @@ DEFAULT_EXPIRE_MARGIN_S = 5.0
 STREAM_HOLD_SLACK_S = 10.0
 # The router sheds when every Active decode worker already has this many batches
 # (x its max_num_seqs) of requests waiting for decode admission: the one default of the
-# router's --shed-decode-backlog, the replay bench and the simulator.
-DEFAULT_DECODE_BACKLOG_BATCHES = 1.0
+# router's --shed-decode-backlog, the replay bench and the simulator. A newcomer behind b
+# batches waits ~b decode lifetimes for a slot after its first token, so it misses its TPOT
+# SLO while its prefill took capacity. 0.5 (1 before session 11): in the simulator `full`
+# gained +0.65 pp mean joint attainment on 48 dev cells and +1.1 pp on 24 held-out cells
+# (35-130 rps; per cell -3.9 ... +8.2 pp), the static splits are unchanged (their decode side
+# does not back up), 0.25 and 0.1 gained less (docs/results.md, Session 11).
+DEFAULT_DECODE_BACKLOG_BATCHES = 0.5
 
 
 @dataclass(frozen=True, slots=True)
