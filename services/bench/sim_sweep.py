@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         "shedding": {
             "ttft_multiple": base.shedding.ttft_multiple,
             "expire_margin_s": base.shedding.expire_margin_s,
+            "decode_backlog_batches": base.shedding.decode_backlog_batches,
         },
         "goal": f"full >= oracle - {SLACK_PP:g} pp in every cell; full >= oracle where "
         f"oracle < {HOPELESS}",
