@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import cast
 
 import pytest
 import pytest_asyncio
@@ -20,8 +21,9 @@ from shared.bus import Bus, BusConfig
 from shared.bus.registration import WorkerRegistration
 from shared.bus.registry import RegistryConfig
 from shared.bus.registry_watcher import RegistryWatcher
-from shared.messages import Subjects, WorkerRecord
+from shared.messages import Role, Subjects, WorkerRecord
 from shared.policy.roles import ACTIVE, DECODE, DRAIN, PREFILL, SWITCH
+from tests.support.worker_messages import worker_record
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -30,23 +32,11 @@ CONFIG = RegistryConfig(heartbeat_s=HEARTBEAT_S)
 
 
 def _record(worker_id: str, role: str) -> WorkerRecord:
-    return WorkerRecord(
-        worker_id=worker_id,
-        role=role,
-        state=ACTIVE,
-        pid=os.getpid(),
-        host="localhost",
-        ucx_address=b"\x01",
-        model="tiny",
-        fingerprint="fp",
-        kv_total_blocks=64,
-        kv_block_size=16,
-        max_model_len=2048,
-        started_at_s=time.time(),
-        heartbeat_at_s=0.0,
-        heartbeat_period_s=HEARTBEAT_S,
-        engine="emulated",
-    )
+    """A live-looking record (this process, now) with the registry's heartbeat period."""
+    return worker_record(
+        worker_id, cast(Role, role), pid=os.getpid(), started_at_s=time.time(),
+        heartbeat_period_s=HEARTBEAT_S, engine="emulated",
+    )  # fmt: skip
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
