@@ -32,8 +32,8 @@ ours, so a message received at ``t`` is taken to reflect the sends made up to
 ``t − telemetry_lag_s`` (NATS transit both ways plus the snapshot); later sends stay counted
 until the next message. The approximation errs toward over-counting for one period.
 
-``prefill_wait_s`` / ``prefill_score`` / ``decode_score`` (shared/policy/pairing.py) are pure and shared with
-the simulator (services/sim/router.py), so both rank workers the same way. Deterministic:
+``prefill_wait_s`` / ``prefill_score`` / ``decode_score`` (shared/policy/pairing.py) are pure
+and shared with the simulator (services/sim/router.py), so both rank workers the same way. Deterministic:
 ids break every remaining tie. Only records in state ``active`` are candidates (callers
 pass them).
 """
@@ -218,10 +218,14 @@ class PressurePolicy:
         )
         return (score, float(n), float(blocks - tel.free_blocks))
 
-    def _pick(self, role: Role, records: Sequence[WorkerRecord], ids: list[str], now: float) -> str:
+    def _pick(
+        self, role: Role, records: Sequence[WorkerRecord], ids: list[str], now: float
+    ) -> tuple[str, bool]:
+        """The best worker of ``role`` and whether the round-robin fallback picked it (no
+        fresh telemetry from any candidate)."""
         fresh = {w: t for w in ids if (t := self._fresh(w, now)) is not None}
         if not fresh:
-            return self._fallback.pick(role, ids)
+            return self._fallback.pick(role, ids), True
         by_id = {r.worker_id: r for r in records}
         # Fresh workers first (rank 0), by their estimated load; the stale ones after, by id.
         best: tuple[int, tuple[float, ...], str] | None = None
@@ -231,7 +235,7 @@ class PressurePolicy:
             if best is None or key < best:
                 best = key
         assert best is not None
-        return best[2]
+        return best[2], False
 
     def _record(self, wid: str, now: float, work_s: float, kv_tokens: int) -> None:
         ledger = self._sent.setdefault(wid, _SentLedger())
@@ -266,13 +270,12 @@ class PressurePolicy:
         prompt = cfg.default_prompt_tokens if prompt_tokens is None else prompt_tokens
         out = cfg.default_max_tokens if max_tokens is None else max_tokens
         self._expire_pending(now)
-        p = self._pick(PREFILL, prefill, p_ids, now)
-        d = self._pick(DECODE, decode, d_ids, now)
+        p, _ = self._pick(PREFILL, prefill, p_ids, now)
+        d, d_fallback = self._pick(DECODE, decode, d_ids, now)
         work_s = cfg.prefill_work_s(prompt)
         self._record(p, now, work_s, 0)
         self._last = None if request_id is None else (request_id, p, (now, work_s, 0))
-        # No fresh decode telemetry (_pick's test): d was the fallback's turn (``withdraw``).
-        d_fallback = all(self._fresh(w, now) is None for w in d_ids)
+        # d was the fallback's turn: ``withdraw`` gives it back there.
         self._fallback.claim(request_id if d_fallback else None)
         rec = next(r for r in decode if r.worker_id == d)
         kv = admission_kv_tokens(prompt, out, rec.decode_reserve_tokens, rec.max_model_len)

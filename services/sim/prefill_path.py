@@ -43,7 +43,6 @@ from services.sim.workers import SimRequest, SimWorker
 from shared.policy.admission import (
     is_expired,
     predicted_ttft_s,
-    queue_work_s,
     sheds_for_decode_backlog,
     should_shed,
 )
@@ -128,11 +127,9 @@ class PrefillPath:
 
     def _hopeless(self, p: SimWorker, r: SimRequest) -> bool:
         """The router's door check: predicted TTFT on ``p`` over the shedding threshold."""
-        profile = self.profile
-        running_s = profile.prefill_time_s(p.current.prompt) if p.current is not None else 0.0
-        ahead_s = queue_work_s((x.prompt for x in p.queue), profile, running_remaining_s=running_s)
+        ahead_s = p.queued_work_s(self.profile)
         return should_shed(
-            predicted_ttft_s(ahead_s, r.prompt, profile), self.policy.ttft_s, self.shed
+            predicted_ttft_s(ahead_s, r.prompt, self.profile), self.policy.ttft_s, self.shed
         )
 
     def fail(self, r: SimRequest) -> None:

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, cast
 
 from services.sim.events import E_SAMPLE, E_TELEMETRY
 from services.sim.workers import SimWorker
-from shared.policy.admission import queue_work_s
 from shared.policy.fluidtoken import StealBudget
 from shared.policy.prefill_pressure import QueuedRequest, queue_ppi
 from shared.policy.pressure import (
@@ -147,9 +146,7 @@ class Telemetry:
             cur = w.current
             running_s = self.profile.prefill_time_s(cur.prompt) if cur is not None else 0.0
             if cfg.pairing == "pressure":
-                w.queue_work_tel = queue_work_s(
-                    (x.prompt for x in w.queue), self.profile, running_remaining_s=running_s
-                )
+                w.queue_work_tel = w.queued_work_s(self.profile)
             if w.queue or running_s:
                 # SimRequest has QueuedRequest's fields: the queue is read in place.
                 view = cast("list[QueuedRequest]", islice(w.queue, window))

@@ -17,7 +17,9 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
+from shared.policy.admission import queue_work_s
 from shared.policy.busy import BusyClock, BusyMeter
+from shared.policy.predictors import LatencyProfile
 from shared.policy.roles import ACTIVE, DECODE, PREFILL
 
 
@@ -187,6 +189,13 @@ class SimWorker:
 
     def queue_len(self) -> int:
         return len(self.queue) + (1 if self.current is not None else 0)
+
+    def queued_work_s(self, profile: LatencyProfile) -> float:
+        """Prefill work ahead of a newcomer (admission.queue_work_s, the live worker's
+        telemetry ``queue_work_s``): Σ T_pre over the queue plus the running prompt's whole
+        T_pre (the simulator does not track a running prefill's remainder)."""
+        running_s = profile.prefill_time_s(self.current.prompt) if self.current is not None else 0.0
+        return queue_work_s((r.prompt for r in self.queue), profile, running_remaining_s=running_s)
 
     def is_active(self, role: str) -> bool:
         return self.role == role and self.state == ACTIVE

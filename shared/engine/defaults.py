@@ -8,9 +8,8 @@ import re
 DEFAULT_KV_CACHE_BYTES = 1024 * 1024 * 1024
 
 
-def check_device_name(device: str) -> str:
-    """``device`` if it is ``cpu``, ``cuda`` or ``cuda:N``; raises ValueError otherwise (torch
+def check_device_name(device: str) -> None:
+    """Raises ValueError unless ``device`` is ``cpu``, ``cuda`` or ``cuda:N`` (torch
     would accept ``mps``, ``meta`` or ``cuda:x`` only to fail later, mid-startup)."""
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
-    return device
