@@ -88,6 +88,11 @@ async def test_rejected_migration_rolls_the_switch_back(client: BusClient) -> No
         10,
     )
     assert client.watcher is not None
+    # The record is written before the event is published, but the registry watch (a
+    # JetStream KV consumer) may deliver it after the event: wait for it to arrive.
+    await client.watcher.wait_until(
+        lambda w: (r := w.get("d0")) is not None and r.state != "drain", 10
+    )
     record = client.watcher.get("d0")
     assert record is not None and (record.role, record.state) == ("decode", "active")
     # The frozen requests resumed on d0 and complete with every token, from d0 only.
