@@ -4,6 +4,8 @@ on decode views only. Pure bookkeeping, no processes."""
 
 from __future__ import annotations
 
+import pytest
+
 from services.controller.status import WorkerBook
 from shared.messages import Role, WorkerRecord, WorkerTelemetry
 from shared.policy.fluidrole import decode_demand
@@ -42,3 +44,28 @@ def test_snapshot_carries_decode_waiting_and_batch_limit() -> None:
     assert (views["p0"].decode_waiting, views["p0"].max_decode_requests) == (0, 0)
     # What the policy bounds a D→P move by: running + waiting on decode workers.
     assert decode_demand(tuple(views.values())) == DecodeDemand(10 + 4 + 7, 48)
+
+
+def test_snapshot_carries_the_decode_flow_from_the_workers_counters() -> None:
+    book = WorkerBook(window_s=5.0, stale_s=1.0, flow_window_s=10.0)
+    records = [record("d0", "decode", 48), record("d1", "decode", 48)]
+
+    def tick(t: float, counts: dict[str, tuple[float, float]], running: int) -> None:
+        for wid, (entered, left) in counts.items():
+            msg = worker_telemetry(
+                wid,
+                "decode",
+                running=running,
+                metrics={"decode_entered_total": entered, "decode_left_total": left},
+            )
+            book.observe(msg, t)
+
+    tick(0.0, {"d0": (100.0, 90.0), "d1": (0.0, 0.0)}, running=5)
+    first = book.snapshot(records, 0.1).decode_flow
+    assert first is not None and (first.entered, first.left, first.mean_backlog) == (0, 0, 10)
+    tick(1.0, {"d0": (130.0, 100.0), "d1": (20.0, 10.0)}, running=15)
+    flow = book.snapshot(records, 1.1).decode_flow
+    assert flow is not None and (flow.entered, flow.left, flow.mean_backlog) == (50, 20, 20)
+    assert flow.requests == pytest.approx(20 * 50 / 20)
+    # Off (the default window 0): no flow in the snapshot.
+    assert WorkerBook(window_s=5.0, stale_s=1.0).snapshot(records, 0.0).decode_flow is None

@@ -105,3 +105,23 @@ def test_pending_prompt_tokens_counts_suffixes_and_unrun_prompts() -> None:
     assert table.num_running == 1 and table.num_receiving == 1
     req.seq.num_cached_tokens = 10  # prompt computed: one token pending = decoding
     assert table.pending_prompt_tokens() == 3
+
+
+def test_the_decode_flow_counts_every_request_into_and_out_of_the_batch() -> None:
+    # FluidRole's decode flow forecast (shared/policy/decode_flow.py) reads these counters.
+    table, bm, _, _ = _table()
+    done = _runnable(table, bm, "done", 4)
+    moved = _runnable(table, bm, "moved", 4)
+    _runnable(table, bm, "cancelled", 4)
+    assert (table.entered_total, table.left_total) == (3, 0)
+    table.finish(done)
+    table.migrated(moved, "d1")
+    assert table.cancel("cancelled") is True
+    assert (table.entered_total, table.left_total) == (3, 3)
+    # A request still receiving its KV never joined the batch: its cancel is no departure.
+    seq = Sequence("rx", [1] * 4, SamplingParams(max_tokens=8))
+    table.requests["rx"] = DecodeRequest("rx", "router.r.tokens.rx", seq, 0.0)
+    assert table.cancel("rx") is True
+    table.finish(done)  # finishing twice counts once
+    assert (table.entered_total, table.left_total) == (3, 3)
+    bm.check_integrity()

@@ -80,8 +80,15 @@ def test_p2d_leaves_prefill_below_its_busy_bound() -> None:
     assert move_size(P2D, 0.2, 0.9, 1.0, 5, 3, CFG, demand=demand, prefill_busy=0.6) == 1
     # Mostly idle prefill (20 %) gives what the backlog needs, up to the cap.
     assert move_size(P2D, 0.2, 0.9, 1.0, 5, 3, CFG, demand=demand, prefill_busy=0.2) == 3
-    # 75 % busy: even one worker would push the rest to 0.94 → no move.
-    assert move_size(P2D, 0.2, 0.9, 1.0, 5, 3, CFG, demand=demand, prefill_busy=0.75) == 0
+    # 75 % busy: even one worker would push the rest to 0.94 → no move while the backlog
+    # fits the decode slots (150 <= 3 × 64; it needs 5 workers at the 0.5 fill target) ...
+    within = DecodeDemand(requests=150, slots_per_worker=64)
+    assert move_size(P2D, 0.2, 0.9, 1.0, 5, 3, CFG, demand=within, prefill_busy=0.75) == 0
+    # ... but 252 exceed every slot: decode binds, one worker moves (not the gap of 3).
+    assert move_size(P2D, 0.2, 0.9, 1.0, 5, 3, CFG, demand=demand, prefill_busy=0.75) == 1
+    # So does a backlog within the slots whose flow forecast exceeds them.
+    ramp = DecodeDemand(requests=150, slots_per_worker=64, forecast_requests=200.0)
+    assert move_size(P2D, 0.2, 0.9, 1.0, 5, 3, CFG, demand=ramp, prefill_busy=0.75) == 1
     # The bound off (0): the backlog sizes the move alone.
     off = dataclasses.replace(CFG, p2d_busy_bound=0.0)
     assert move_size(P2D, 0.2, 0.9, 1.0, 5, 3, off, demand=demand, prefill_busy=0.75) == 3

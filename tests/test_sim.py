@@ -38,6 +38,8 @@ def check_conservation(sim: Simulation) -> None:
         assert (w.held_blocks, w.reserved_blocks, w.requests, w.receiving) == (0, 0, 0, 0)
         assert not w.queue and w.current is None and not w.suffixes and not w.pending
         assert w.n_dec == 0 and w.s_ctx == 0
+    # The decode flow (FluidRole's forecast): everything that entered a decode batch left it.
+    assert sum(w.dec_entered for w in sim.workers) == sum(w.dec_left for w in sim.workers)
 
 
 @pytest.mark.parametrize("via_decode", [False, True])
@@ -143,6 +145,10 @@ def test_d2p_drain_with_migration_is_shorter() -> None:
         check_conservation(sim)
         drains[migrate] = [s["drain_s"] for s in res.switches if s.get("to") == "prefill"]
         assert (res.migrations > 0) == migrate
+        # Every served request entered decode once, plus once more per move to a peer
+        # (shed ones never did).
+        served = sum(1 for r in sim.reqs if not r.failed)
+        assert sum(w.dec_entered for w in sim.workers) == served + res.migrations
     assert drains[False] and drains[True]
     # Waiting outlasts a 2000-token decode (> 5 s); moving the KV is a fraction of it.
     assert drains[False][0] > 5.0

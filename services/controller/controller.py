@@ -59,7 +59,11 @@ class Controller(Service):
         self.metrics = ControllerMetrics.create()
         self.policy = RolePolicy(config.policy)
         self.policy.paused = not config.auto
-        self.book = WorkerBook(config.policy.window_s, config.telemetry_stale_s)
+        self.book = WorkerBook(
+            config.policy.window_s,
+            config.telemetry_stale_s,
+            config.policy.decode_flow_window_s,
+        )
         self.leases = SwitchLeases()
         self.bus = Bus(
             dataclasses.replace(config.bus, name=config.controller_id),

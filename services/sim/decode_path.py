@@ -63,6 +63,7 @@ class DecodePath:
         d.reserved_blocks -= r.blocks
         d.held_blocks += r.blocks
         d.receiving -= 1
+        d.dec_entered += 1  # the decode flow (workers.py)
         if r.suffix == 0 and self.cfg.first_token_via_decode:
             r.t_first = self.now
         if r.suffix:

@@ -172,6 +172,11 @@ class SimWorker:
         self.waiting_tel = 0
         self.waiting_kv_tel = 0
         self.sent_since = 0  # router: requests sent since the last telemetry
+        # Decode flow counters (the live worker's decode_entered_total / decode_left_total,
+        # shared/policy/decode_flow.py): a request enters when its KV is installed (prefill
+        # hand-off or migration) and leaves when it finishes or migrates away.
+        self.dec_entered = 0
+        self.dec_left = 0
 
     # ----------------------------------------------------------------- views
     @property
@@ -223,9 +228,10 @@ class SimWorker:
         r.epoch += 1
 
     def release(self, r: SimRequest) -> None:
-        """Free ``r``'s blocks (finish or migration away)."""
+        """Free ``r``'s blocks (finish or migration away); it leaves the decode flow."""
         self.held_blocks -= r.blocks
         self.requests -= 1
+        self.dec_left += 1
 
     def batch_members(self) -> list[SimRequest]:
         """Requests in the decode batch now, in finish order (allocates; migration only)."""

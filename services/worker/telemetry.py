@@ -119,6 +119,9 @@ class Telemetry:
                 "reserved_blocks": float(pool.reserved_blocks),
                 "receiving": float(dec.num_receiving),
                 "decode_iterations_total": float(dec.iterations_total),
+                # FluidRole's decode flow forecast (shared/policy/decode_flow.py).
+                "decode_entered_total": float(dec.entered_total),
+                "decode_left_total": float(dec.left_total),
                 "prefills_total": float(pf.prefills_total),
                 "prefill_busy_frac": self._busy.fraction(),
                 # Overload (docs/operations.md): queued prefill work in predicted seconds and

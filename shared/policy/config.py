@@ -88,6 +88,11 @@ class PolicyConfig:
     # ADAPTIVE only: decision intervals "decode admission blocks prefill" must hold. The
     # smoothed DPI̅_adm already needs half the window saturated, so 1 adds no extra delay.
     n_persist_blocked: int = 1
+    # ADAPTIVE only (shared/policy/decode_flow.py): the decode backlog FluidRole sizes moves
+    # against is at least the forecast N̄·λ_in/λ_out over this window (Little's law: where
+    # the flow entering decode settles), scaled for a D->P move of k by (|P| + k)/|P| (more
+    # prefill workers send more requests to decode); 0 = off (the backlog now only).
+    decode_flow_window_s: float = 10.0
     window_s: float = 5.0  # observation window of the PPI p95 (eq. 20)
     decision_interval_s: float = 1.0  # how often the controller calls RolePolicy.decide
 
@@ -124,6 +129,7 @@ class PolicyConfig:
             "settle_s",
             "reverse_wait_s",
             "budget_context_tokens",
+            "decode_flow_window_s",
         ):
             if getattr(self, name) < 0:
                 raise PolicyConfigError(f"policy config: {name} must be >= 0")

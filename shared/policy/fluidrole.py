@@ -39,21 +39,24 @@ Rules, in the order they are checked:
 6. the same recommendation must hold for N_persist consecutive intervals.
 7. never empty a role: the source role needs >= 2 Active workers (and keeps >= 1).
 8. PAPER moves one worker, ADAPTIVE ``move_size`` workers (possibly none: D→P
-   ``decode_headroom`` — the decode side's predicted load after even one move is too high;
-   P→D ``prefill_headroom`` — the prefill workers' predicted busy fraction would be);
-   candidates with least expected
-   drain: D→P — fewest active decode requests (the paper's
-   proxy), then fewest KV tokens in use; P→D — least running prefill work (tokens), then
-   shortest queue. Ties break on worker id, so decisions are deterministic.
+   ``decode_headroom`` — the decode side's predicted load after even one move is too high,
+   the decode backlog read as the larger of now and where the decode flow settles
+   (``ClusterSnapshot.decode_flow``, decode_flow.py, when ``decode_flow_window_s`` > 0);
+   P→D ``prefill_headroom`` — the prefill workers' predicted busy fraction would be, unless
+   the decode backlog exceeds every decode slot); candidates with least expected drain:
+   D→P — fewest active decode requests (the paper's proxy), then fewest KV tokens in use;
+   P→D — least running prefill work (tokens), then shortest queue. Ties break on worker
+   id, so decisions are deterministic.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from shared.policy.config import PAPER, PolicyConfig
+from shared.policy.decode_flow import DecodeFlow
 
 # The rules (eq. 22–23 and extensions) live in fluidrole_rules.py; importable from here too.
 from shared.policy.fluidrole_rules import D2P as D2P
@@ -91,6 +94,9 @@ class WorkerView:
 @dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
     workers: tuple[WorkerView, ...]
+    # λ·W of the decode flow (decode_flow.py); None = not measured. ADAPTIVE with
+    # cfg.decode_flow_window_s > 0 sizes moves against it too (fluidrole_sizing).
+    decode_flow: DecodeFlow | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +264,8 @@ class RolePolicy:
         k = 1
         if cfg.rules != PAPER:
             demand = decode_demand(workers)
+            if snapshot.decode_flow is not None and cfg.decode_flow_window_s > 0:
+                demand = replace(demand, forecast_requests=snapshot.decode_flow.requests)
             k = move_size(
                 rec,
                 ppi_bar,

@@ -10,7 +10,9 @@ the move back:
   *predicted* decode load after the move, with a margin: |D|·DPI̅_load / (|D| − k) <
   DPI_load^high − ``d2p_load_margin``, |D|·DPI̅_adm / (|D| − k) < the D→P admission guard
   (``adm_guard``), and, when the workers' batch limit is known, the decode backlog (running
-  decodes + requests waiting for decode admission, ``DecodeDemand``) fills at most
+  decodes + requests waiting for decode admission, ``DecodeDemand``) — or, when larger, the
+  backlog the flow entering decode settles at (``forecast_requests``, decode_flow.py) scaled
+  by (|P| + k) / |P| for the requests k more prefill workers send — fills at most
   ``decode_fill_target`` of the remaining decode slots. The margin is there because the
   decode load measured while prefill is the bottleneck is throttled by it: more prefill
   workers send more requests to decode (a 5P3D → 7P1D move at DPI̅_load 0.08 saturated the
@@ -30,7 +32,10 @@ the move back:
   workers. Every P→D move is also bounded by the prefill workers' *predicted busy
   fraction*, Σ busy / (|P| − k) < ``p2d_busy_bound`` (shared/policy/busy.py): PPI̅ is a
   queue measure, near 0 whenever a queue happens to be empty, so it cannot tell how much
-  prefill capacity the arrivals use; the busy fraction can.
+  prefill capacity the arrivals use; the busy fraction can. One exception: when the
+  decode backlog (or its forecast) exceeds every decode slot, decode is what binds, and a
+  prefill worker over the busy bound still moves — one, not the gap (the gap overshot at
+  mixed 120 rps: 5P3D → 2P6D, then back).
 
 P→D moves at least one worker when the rules recommend it (they checked k = 1's
 preconditions, eq. 23) unless even one would leave prefill over its busy bound (0 = no
@@ -58,13 +63,18 @@ class DecodeDemand:
 
     requests: int = 0
     slots_per_worker: int = 0
+    # λ·W of the flow entering decode (shared/policy/decode_flow.py; 0 = not known): the
+    # backlog the present flow settles at, which the backlog now understates in a ramp.
+    forecast_requests: float = 0.0
 
-    def workers_needed(self, fill_target: float) -> int:
-        """Decode workers that keep the backlog within ``fill_target`` of their slots (0 when
+    def workers_needed(self, fill_target: float, flow_scale: float = 1.0) -> int:
+        """Decode workers that keep the larger of the backlog and the forecast (scaled by
+        ``flow_scale``: the flow after a move) within ``fill_target`` of their slots (0 when
         the slots are unknown)."""
         if self.slots_per_worker <= 0 or fill_target <= 0:
             return 0
-        return math.ceil(self.requests / (self.slots_per_worker * fill_target) - 1e-9)
+        load = max(float(self.requests), self.forecast_requests * flow_scale)
+        return math.ceil(load / (self.slots_per_worker * fill_target) - 1e-9)
 
 
 def adm_guard(cfg: PolicyConfig) -> float:
@@ -109,8 +119,14 @@ def move_size(
         load_bound = cfg.dpi_load_high - cfg.d2p_load_margin
         k_load = _largest_k(n_decode, dpi_load_bar, load_bound, cap)
         k_adm = _largest_k(n_decode, dpi_adm_bar, adm_guard(cfg), cap)
-        needed_d = demand.workers_needed(cfg.decode_fill_target)
-        k_demand = n_decode - needed_d if needed_d else cap
+        k_demand = cap
+        for kk in range(1, min(cap, n_decode - 1) + 1):
+            # Prefill-bound arrivals: k more prefill workers send ~(|P| + k)/|P| the flow.
+            scale = 1.0 + kk / n_prefill if n_prefill else 1.0
+            needed_d = demand.workers_needed(cfg.decode_fill_target, scale)
+            if needed_d and n_decode - kk < needed_d:
+                k_demand = kk - 1
+                break
         k = min(max(1, need), k_load, k_adm, k_demand, cap, n_decode - 1)
         return max(0, k)
     if action == P2D:
@@ -132,6 +148,11 @@ def move_size(
         k_busy = cap
         if cfg.p2d_busy_bound > 0:
             k_busy = _largest_k(n_prefill, prefill_busy, cfg.p2d_busy_bound, cap)
+            if k_busy == 0 and demand.workers_needed(1.0) > n_decode:
+                # Both phases are short, but decode binds: its backlog (or where the flow
+                # settles) exceeds every decode slot, so computed prompts wait for decode
+                # and prefill's busy time is partly wasted. One worker goes, not the gap.
+                k_busy = 1
             if k_busy == 0:  # prefill has no capacity to give: both phases are short
                 return 0
         if decode_blocked:

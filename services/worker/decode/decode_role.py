@@ -248,4 +248,6 @@ class DecodeRole:
             migrations_in_failed_total=self.intake.migrations_in_failed_total,
             migrations_out_total=table.migrations_out_total,
             iterations_total=self.iterations_total,
+            entered_total=table.entered_total,
+            left_total=table.left_total,
         )

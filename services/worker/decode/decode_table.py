@@ -45,11 +45,16 @@ class DecodeTable:
         self.step_done = asyncio.Event()  # pulsed after every committed step
         self.progress = asyncio.Event()  # set when a request leaves (a D->P drain waits)
         self.migrations_out_total = 0
+        # The decode flow (shared/policy/decode_flow.py): requests that joined the batch and
+        # that left it (finished, cancelled, failed or migrated away), since start.
+        self.entered_total = 0
+        self.left_total = 0
 
     def make_runnable(self, req: DecodeRequest) -> None:
         """``req`` joins the batch (its KV is installed, or it needs none)."""
         req.phase = "runnable"
         self.runnable.append(req)
+        self.entered_total += 1
         self.wakeup.set()
 
     def stream_error(self, req: DecodeRequest, error: str, code: str) -> None:
@@ -70,6 +75,7 @@ class DecodeTable:
         self.progress.set()
         if req in self.runnable:
             self.runnable.remove(req)
+            self.left_total += 1
         if self.bm.has_sequence(req.request_id):
             self.bm.free_sequence(req.request_id)
 
