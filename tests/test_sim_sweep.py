@@ -4,6 +4,7 @@ the rule-set flag of the controller and the simulator."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +117,33 @@ def test_rule_set_flags() -> None:
     assert paper.policy.rules == PAPER and not paper.migrate_on_drain  # drain by waiting
     off = base_config(sim_args(["--shed-ttft-multiple", "0", "--expire-margin-s", "-1"]))
     assert not off.shedding.sheds and off.shedding.expire_margin_s is None
+
+
+def test_a_partial_rerun_takes_the_other_configurations_from_an_earlier_sweep(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ["--workloads", "azure-mixed", "--seeds", "0", "--offsets", "0", "--rps-mixed"]
+    common += ["20", "--requests-mixed", "150"]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert sim_sweep.main([*common, "--out", str(first)]) == 0
+    # Only `full` runs; the oracle and the static rows come from the first file. Its row
+    # there is edited: a copied `full` would show -1, a re-run oracle its true value.
+    (row_a,) = sim_sweep.load_rows(str(first))
+    edited = dict(row_a, full={**row_a["full"], "joint": -1.0})
+    edited["oracle"] = {**row_a["oracle"], "joint": 0.123}
+    first.write_text(json.dumps(edited) + "\n", encoding="utf-8")
+    args = [*common, "--configs", "full", "--reuse", str(first), "--out", str(second)]
+    assert sim_sweep.main(args) == 0
+    (row_b,) = sim_sweep.load_rows(str(second))
+    assert row_b["full"]["joint"] == row_a["full"]["joint"]  # deterministic simulator
+    assert row_b["oracle"]["joint"] == 0.123  # copied, not run
+    for name in ("static", "static-pressure"):
+        assert row_b[name] == row_a[name]
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["ran"] == ["full"] and summary["reused_from"] == str(first)
+    # A subset of configurations without a file to take the rest from is a usage error.
+    with pytest.raises(SystemExit) as exc:
+        sim_sweep.main([*common, "--configs", "full"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        sim_sweep.main([*common, "--configs", "full,bogus", "--reuse", str(first)])

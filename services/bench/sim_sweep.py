@@ -17,6 +17,10 @@ below 0.5. A cell is *tuned* when its seed is in ``--tune-seeds`` and its offset
 
 ``--jobs 2`` runs two cells at once (at most 2: the machines this runs on are shared).
 ``--out FILE`` writes one JSON line per cell. Human-readable lines go to stderr.
+``--configs full --reuse FILE`` re-runs only ``full`` and takes the other configurations of
+each cell from an earlier ``--out`` file (the same workload, seed, offset, rps and request
+count; the simulator is deterministic, so a configuration whose code did not change gives
+the same row): a policy change to FluidRole is judged at a quarter of the cost.
 """
 
 from __future__ import annotations
@@ -69,6 +73,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--jobs", type=int, default=1, help="parallel cells, 1 or 2")
     ap.add_argument("--out", default="", help="JSON lines file, one line per cell")
     ap.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"configurations to run (of {','.join(CONFIGS)}); the others come from --reuse",
+    )
+    ap.add_argument(
+        "--reuse",
+        default="",
+        help="JSON lines file of an earlier sweep: the configurations not in --configs are "
+        "taken from its matching cells (a cell it lacks runs every configuration)",
+    )
+    ap.add_argument(
         "--summarize",
         default="",
         help="run nothing: summarize the cells of this JSON lines file (a finished or partial "
@@ -78,7 +93,31 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.jobs not in (1, 2):
         ap.error("--jobs must be 1 or 2")
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown or not configs:
+        ap.error(f"--configs: unknown {unknown}; known: {list(CONFIGS)}")
+    if set(configs) != set(CONFIGS) and not a.reuse and not a.summarize:
+        ap.error("--configs with fewer than all configurations needs --reuse FILE")
+    a.configs = tuple(c for c in CONFIGS if c in configs)
     return a
+
+
+def cell_key(row: dict[str, Any]) -> tuple[str, int, float, float, int]:
+    """What identifies a cell's trace in an --out row."""
+    return (
+        row["workload"],
+        int(row["seed"]),
+        float(row["offset_s"]),
+        float(row["rps"]),
+        int(row["requests"]),
+    )
+
+
+def load_rows(path: str) -> list[dict[str, Any]]:
+    """The rows of a JSON lines --out file. Raises OSError / ValueError on a bad file."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def _floats(text: str) -> list[float]:
@@ -103,8 +142,16 @@ def cells_of(args: argparse.Namespace) -> list[Cell]:
     return out
 
 
-def run_cell(cell: Cell, base: SimConfig, profile_name: str) -> dict[str, Any]:
-    """Every configuration on one cell's trace; joint attainment and counters per config."""
+def run_cell(
+    cell: Cell,
+    base: SimConfig,
+    profile_name: str,
+    configs: tuple[str, ...] = CONFIGS,
+    reused: dict[tuple[str, int, float, float, int], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """``configs`` on one cell's trace (joint attainment and counters per config); the other
+    configurations are copied from the ``reused`` row of the same cell, or run when there is
+    none."""
     profile = load_profile(profile_name)
     trace = build_workload(
         cell.workload,
@@ -123,7 +170,13 @@ def run_cell(cell: Cell, base: SimConfig, profile_name: str) -> dict[str, Any]:
         "tuned": cell.tuned,
         "requests": len(trace),
     }
+    old = (reused or {}).get(cell_key(row))
+    run = CONFIGS if old is None else configs
     for name in CONFIGS:
+        if name not in run:
+            assert old is not None
+            row[name] = old[name]
+            continue
         t0 = time.perf_counter()
         s = run_config(trace, name, base, profile).summary(ttft_s, tpot_s)
         row[name] = {
@@ -201,10 +254,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fluidpd bench sim-sweep: {exc}", file=sys.stderr)
         return 2
     if args.summarize:
-        lines = Path(args.summarize).read_text(encoding="utf-8").splitlines()
-        rows_in = [json.loads(line) for line in lines if line.strip()]
+        rows_in = load_rows(args.summarize)
         print(json.dumps({"bench": "sim-sweep", "cells": len(rows_in), **summarize(rows_in)}))
         return 0
+    reused: dict[tuple[str, int, float, float, int], dict[str, Any]] = {}
+    if args.reuse:
+        try:
+            reused = {cell_key(r): r for r in load_rows(args.reuse)}
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"fluidpd bench sim-sweep: --reuse {args.reuse}: {exc}", file=sys.stderr)
+            return 2
     cells = cells_of(args)
     out = Path(args.out) if args.out else None
     if out is not None:
@@ -230,10 +289,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.jobs == 1:
         for cell in cells:
-            done(run_cell(cell, base, args.profile))
+            done(run_cell(cell, base, args.profile, args.configs, reused))
     else:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            futures = [pool.submit(run_cell, cell, base, args.profile) for cell in cells]
+            futures = [
+                pool.submit(run_cell, cell, base, args.profile, args.configs, reused)
+                for cell in cells
+            ]
             for fut in futures:
                 done(fut.result())
     summary = {
@@ -248,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         "goal": f"full >= oracle - {SLACK_PP:g} pp in every cell; full >= oracle where "
         f"oracle < {HOPELESS}",
         "tune": {"seeds": args.tune_seeds, "offsets": args.tune_offsets},
+        "ran": list(args.configs),
+        "reused_from": args.reuse or None,
         "requests": {STAGED: args.requests_staged, MIXED: args.requests_mixed},
         **summarize(rows),
         "wall_s": round(time.perf_counter() - t0, 1),
