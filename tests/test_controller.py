@@ -50,10 +50,15 @@ async def wait_for(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
 class FakeWorker:
     """A registry record plus a telemetry stream; optionally answers switch commands."""
 
-    def __init__(self, url: str, worker_id: str, role: str, **telemetry: float) -> None:
+    def __init__(
+        self, url: str, worker_id: str, role: str, max_num_seqs: int = 64, **telemetry: float
+    ) -> None:
         self.url = url
         self.worker_id = worker_id
         self.role = role
+        self.max_num_seqs = max_num_seqs
+        # Decode flow counters, advanced by telemetry["entered_per_publish"] / ["left_..."].
+        self.entered_total = self.left_total = 0.0
         self.telemetry = {
             "free_blocks": 90,
             "total_blocks": 100,
@@ -84,6 +89,7 @@ class FakeWorker:
             started_at_s=time.time(),
             heartbeat_at_s=time.time(),
             heartbeat_period_s=HEARTBEAT_S,
+            max_num_seqs=self.max_num_seqs,
         )
 
     async def start(self, switch_reply: SwitchReply | None = None) -> None:
@@ -106,6 +112,8 @@ class FakeWorker:
         subject = SUBJECTS.telemetry(self.role, self.worker_id)
         while True:
             t = self.telemetry
+            self.entered_total += t.get("entered_per_publish", 0.0)
+            self.left_total += t.get("left_per_publish", 0.0)
             await self.bus.publish(
                 subject,
                 worker_telemetry(
@@ -121,7 +129,11 @@ class FakeWorker:
                     dpi_load=t["dpi_load"],
                     dpi_adm=t["dpi_adm"],
                     stolen_tokens_total=int(t["stolen_tokens_total"]),
-                    metrics={"pid": 4242.0},
+                    metrics={
+                        "pid": 4242.0,
+                        "decode_entered_total": self.entered_total,
+                        "decode_left_total": self.left_total,
+                    },
                 ),
             )
             await asyncio.sleep(0.05)  # publish period of a (fast) telemetry stream
@@ -277,6 +289,71 @@ async def test_switch_sent_and_refusal_tolerated(nats_server: NatsServer) -> Non
             assert ctl.metrics.switches_total.labels(outcome="refused")._value.get() >= 1
     finally:
         for w in (p0, d0, d1):
+            await w.stop()
+
+
+async def test_a_filling_decode_flow_holds_a_d2p_move_until_it_settles(
+    nats_server: NatsServer,
+) -> None:
+    # Real bus and controller, fake workers. Prefill pressured, decode lightly used (10 of 64
+    # slots on each of 2 workers): eq. 22 says D->P. But 4x as many requests enter decode as
+    # leave it: where that flow settles (decode_flow.py; 80, twice that with a second
+    # prefill worker) needs every decode worker, so the controller holds the move
+    # (decode_headroom) until the counters show a steady flow (20 → 40 after the move: one
+    # decode worker's 48 at the 0.75 fill target).
+    cfg = config(nats_server.url, n_persist=1, cooldown_s=0.0, decode_flow_window_s=1.0)
+    reply = SwitchReply(ok=True)
+    fill = {"running": 10, "entered_per_publish": 4.0, "left_per_publish": 1.0}
+    workers = [
+        FakeWorker(nats_server.url, "p0", "prefill", ppi=0.0),
+        FakeWorker(nats_server.url, "d0", "decode", **fill),
+        FakeWorker(nats_server.url, "d1", "decode", **fill),
+    ]
+    decisions: list[ControllerDecision] = []
+
+    async def on_decision(msg: ControllerDecision) -> None:
+        decisions.append(msg)
+
+    for w in workers:
+        await w.start(switch_reply=reply)
+    try:
+        async with Bus(BusConfig.from_url(nats_server.url), SUBJECTS) as bus:
+            await bus.subscribe_stream(
+                SUBJECTS.controller_decisions(), ControllerDecision, on_decision
+            )
+            async with Controller(cfg):
+                # The meter needs a window of history first: no pressure until it has one.
+                await wait_for(
+                    lambda: any(m.inputs.get("decode_flow_forecast", 0.0) > 60.0 for m in decisions)
+                )
+                workers[0].telemetry["ppi"] = 3.0
+                await wait_for(
+                    lambda: any(
+                        m.reason == "decode_headroom"
+                        and m.inputs.get("decode_flow_forecast", 0.0) > 60.0
+                        for m in decisions
+                    )
+                )
+                assert not any(w.switches for w in workers)
+                for w in workers[1:]:  # the flow settles: as many leave as enter
+                    w.telemetry["left_per_publish"] = 4.0
+                _, d0, d1 = workers
+                await asyncio.wait_for(
+                    asyncio.wait(
+                        [
+                            asyncio.ensure_future(d0.switched.wait()),
+                            asyncio.ensure_future(d1.switched.wait()),
+                        ],
+                        return_when=asyncio.FIRST_COMPLETED,
+                    ),
+                    10.0,
+                )
+        moved = [w for w in workers if w.switches]
+        assert len(moved) == 1 and moved[0].switches[0].role == "prefill"
+        last = next(m for m in reversed(decisions) if m.action != "none")
+        assert last.inputs["decode_flow_forecast"] < 30.0  # ~ the 20 in decode now
+    finally:
+        for w in workers:
             await w.stop()
 
 

@@ -219,6 +219,11 @@ class Controller(Service):
             "workers": float(len(snapshot.workers)),
             "move_workers": float(len(decision.worker_ids)),
         }
+        if snapshot.decode_flow is not None:  # FluidRole's decode flow forecast (sizing)
+            flow = snapshot.decode_flow
+            inputs["decode_flow_entered"] = flow.entered
+            inputs["decode_flow_left"] = flow.left
+            inputs["decode_flow_forecast"] = flow.requests
         event = "controller_switch_decided" if decision.switches else "controller_decision"
         log.info(
             event,
