@@ -33,6 +33,7 @@ def test_scaling_helpers_scale_every_time_coefficient_and_policy_time() -> None:
     assert pol.cooldown_s == pytest.approx(5.0) and pol.decision_interval_s == pytest.approx(0.25)
     assert pol.reverse_wait_s == pytest.approx(0.25 * PolicyConfig().reverse_wait_s)
     assert pol.settle_s == pytest.approx(0.25 * PolicyConfig().settle_s)
+    assert pol.decode_flow_window_s == pytest.approx(0.25 * PolicyConfig().decode_flow_window_s)
 
 
 def test_replay_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
