@@ -8,7 +8,9 @@ import pytest
 
 from services.controller.status import WorkerBook
 from shared.messages import Role, WorkerRecord, WorkerTelemetry
-from shared.policy.fluidrole import decode_demand
+from shared.policy.config import PolicyConfig
+from shared.policy.decode_flow import FlowCounters
+from shared.policy.fluidrole import RolePolicy, decode_demand
 from shared.policy.fluidrole_sizing import DecodeDemand
 from tests.support.worker_messages import worker_record, worker_telemetry
 
@@ -47,7 +49,9 @@ def test_snapshot_carries_decode_waiting_and_batch_limit() -> None:
 
 
 def test_snapshot_carries_the_decode_flow_from_the_workers_counters() -> None:
-    book = WorkerBook(window_s=5.0, stale_s=1.0, flow_window_s=10.0)
+    # The book puts each worker's counters on its view; the policy's meter sums them.
+    book = WorkerBook(window_s=5.0, stale_s=1.0)
+    policy = RolePolicy(PolicyConfig(decode_flow_window_s=10.0))
     records = [record("d0", "decode", 48), record("d1", "decode", 48)]
 
     def tick(t: float, counts: dict[str, tuple[float, float]], running: int) -> None:
@@ -61,11 +65,17 @@ def test_snapshot_carries_the_decode_flow_from_the_workers_counters() -> None:
             book.observe(msg, t)
 
     tick(0.0, {"d0": (100.0, 90.0), "d1": (0.0, 0.0)}, running=5)
-    first = book.snapshot(records, 0.1).decode_flow
+    snap = book.snapshot(records, 0.1)
+    assert {v.worker_id: v.decode_counters for v in snap.workers} == {
+        "d0": FlowCounters(100.0, 90.0),
+        "d1": FlowCounters(0.0, 0.0),
+    }
+    first = policy.decide(snap, 0.1).decode_flow
     assert first is not None and (first.entered, first.left, first.mean_backlog) == (0, 0, 10)
     tick(1.0, {"d0": (130.0, 100.0), "d1": (20.0, 10.0)}, running=15)
-    flow = book.snapshot(records, 1.1).decode_flow
+    flow = policy.decide(book.snapshot(records, 1.1), 1.1).decode_flow
     assert flow is not None and (flow.entered, flow.left, flow.mean_backlog) == (50, 20, 20)
     assert flow.requests == pytest.approx(20 * 50 / 20)
-    # Off (the default window 0): no flow in the snapshot.
-    assert WorkerBook(window_s=5.0, stale_s=1.0).snapshot(records, 0.0).decode_flow is None
+    # Off (window 0): no flow in the decision.
+    off = RolePolicy(PolicyConfig(decode_flow_window_s=0.0))
+    assert off.decide(book.snapshot(records, 1.2), 1.2).decode_flow is None

@@ -16,6 +16,7 @@ from shared.policy.fluidrole import (
     NONE,
     PREFILL,
     ClusterSnapshot,
+    Decision,
     RolePolicy,
     WorkerView,
 )
@@ -77,7 +78,7 @@ def test_d2p_bound_reads_the_forecast_scaled_for_the_prefill_it_adds() -> None:
     assert move_size(D2P, 2.0, 0.1, 0.05, 4, 4, CFG, demand=heavy) == 0
 
 
-def _cluster(running: int) -> ClusterSnapshot:
+def _cluster(running: int, entered: float = 0.0, left: float = 0.0) -> ClusterSnapshot:
     prefill = tuple(WorkerView(f"p{i}", PREFILL, ppi_p95=2.0) for i in range(4))
     decode = tuple(
         WorkerView(
@@ -87,6 +88,7 @@ def _cluster(running: int) -> ClusterSnapshot:
             dpi_adm=0.05,
             active_decode_requests=running,
             max_decode_requests=64,
+            decode_counters=FlowCounters(entered, left),
         )
         for i in range(4)
     )
@@ -97,11 +99,20 @@ def test_decide_refuses_a_d2p_move_while_decode_fills() -> None:
     snap = _cluster(running=15)  # 60 in decode now
     d = RolePolicy(CFG).decide(snap, 0.0)
     assert (d.action, len(d.worker_ids)) == (D2P, 2)
-    # The same cluster, with its flow: 4x as many entered decode as left over the window.
-    filling = DecodeFlow(entered=400, left=100, mean_backlog=60)
-    d = RolePolicy(CFG).decide(ClusterSnapshot(snap.workers, decode_flow=filling), 0.0)
+    # The same cluster, with its flow: 4x as many entered decode as left over the window
+    # (100 / 25 per decode worker between a baseline decision, paused, and this one).
+    filling = _cluster(running=15, entered=100.0, left=25.0)
+
+    def after_baseline(cfg: PolicyConfig) -> Decision:
+        policy = RolePolicy(cfg)
+        policy.paused = True
+        policy.decide(snap, 0.0)  # counters at 0: the meter's baseline
+        policy.paused = False
+        return policy.decide(filling, 1.0)
+
+    d = after_baseline(CFG)
+    assert d.decode_flow == DecodeFlow(entered=400, left=100, mean_backlog=60)
     assert (d.recommendation, d.action, d.reason) == (D2P, NONE, "decode_headroom")
     # With the forecast off in the config, the flow is ignored.
-    off = PolicyConfig(n_persist=1, decode_flow_window_s=0.0)
-    d = RolePolicy(off).decide(ClusterSnapshot(snap.workers, decode_flow=filling), 0.0)
+    d = after_baseline(PolicyConfig(n_persist=1, decode_flow_window_s=0.0))
     assert (d.action, len(d.worker_ids)) == (D2P, 2)

@@ -59,11 +59,7 @@ class Controller(Service):
         self.metrics = ControllerMetrics.create()
         self.policy = RolePolicy(config.policy)
         self.policy.paused = not config.auto
-        self.book = WorkerBook(
-            config.policy.window_s,
-            config.telemetry_stale_s,
-            config.policy.decode_flow_window_s,
-        )
+        self.book = WorkerBook(config.policy.window_s, config.telemetry_stale_s)
         self.leases = SwitchLeases()
         self.bus = Bus(
             dataclasses.replace(config.bus, name=config.controller_id),
@@ -219,8 +215,8 @@ class Controller(Service):
             "workers": float(len(snapshot.workers)),
             "move_workers": float(len(decision.worker_ids)),
         }
-        if snapshot.decode_flow is not None:  # FluidRole's decode flow forecast (sizing)
-            flow = snapshot.decode_flow
+        if decision.decode_flow is not None:  # FluidRole's decode flow forecast (sizing)
+            flow = decision.decode_flow
             inputs["decode_flow_entered"] = flow.entered
             inputs["decode_flow_left"] = flow.left
             inputs["decode_flow_forecast"] = flow.requests

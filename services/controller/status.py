@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shared.messages import WorkerRecord, WorkerRow, WorkerTelemetry
-from shared.policy.decode_flow import DecodeFlowMeter, FlowCounters
-from shared.policy.fluidrole import ClusterSnapshot, WorkerView, decode_demand
+from shared.policy.decode_flow import FlowCounters
+from shared.policy.fluidrole import ClusterSnapshot, WorkerView
 from shared.policy.roles import ACTIVE, DECODE, DRAIN, PREFILL, SWITCH
 from shared.policy.window import KeyedWindows
 
@@ -36,12 +36,10 @@ class _Seen:
 class WorkerBook:
     """Latest telemetry per worker plus a PPI window per prefill worker. Mutable."""
 
-    def __init__(self, window_s: float, stale_s: float, flow_window_s: float = 0.0) -> None:
+    def __init__(self, window_s: float, stale_s: float) -> None:
         self.stale_s = stale_s
         self._latest: dict[str, _Seen] = {}
         self._ppi = KeyedWindows(window_s)
-        # FluidRole's decode flow forecast (decode_flow.py); None when the policy reads none.
-        self._flow = DecodeFlowMeter(flow_window_s) if flow_window_s > 0 else None
 
     def observe(self, msg: WorkerTelemetry, now_s: float) -> None:
         """Record one telemetry message received at ``now_s``. Mutates the book."""
@@ -90,9 +88,8 @@ class WorkerBook:
         return rows
 
     def snapshot(self, records: Iterable[WorkerRecord], now_s: float) -> ClusterSnapshot:
-        """The policy's view: registered workers in a policy state, with fresh signals, and
-        the decode flow. Mutates: prunes old PPI samples and feeds the flow meter one sample
-        (call it once per decision)."""
+        """The policy's view: registered workers in a policy state, with fresh signals. Pure
+        apart from pruning old PPI samples."""
         views = []
         for rec in sorted(records, key=lambda r: r.worker_id):
             tel = self.fresh(rec.worker_id, now_s)
@@ -127,15 +124,11 @@ class WorkerBook:
                     if role == DECODE
                     else 0,
                     max_decode_requests=rec.max_num_seqs if role == DECODE else 0,
+                    # FluidRole's decode flow (decode_flow.py), in any role.
+                    decode_counters=FlowCounters(
+                        tel.metrics.get("decode_entered_total", 0.0),
+                        tel.metrics.get("decode_left_total", 0.0),
+                    ),
                 )
             )
-            if self._flow is not None:
-                m = tel.metrics
-                counters = FlowCounters(
-                    m.get("decode_entered_total", 0.0), m.get("decode_left_total", 0.0)
-                )
-                self._flow.observe(rec.worker_id, counters)
-        flow = None
-        if self._flow is not None:
-            flow = self._flow.sample(now_s, decode_demand(views).requests)
-        return ClusterSnapshot(tuple(views), decode_flow=flow)
+        return ClusterSnapshot(tuple(views))

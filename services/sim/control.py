@@ -28,8 +28,8 @@ from services.sim.events import (
     E_TELEMETRY,
 )
 from services.sim.workers import SimRequest, SimWorker
-from shared.policy.decode_flow import DecodeFlowMeter, FlowCounters
-from shared.policy.fluidrole import ClusterSnapshot, RolePolicy, WorkerView, decode_demand
+from shared.policy.decode_flow import FlowCounters
+from shared.policy.fluidrole import ClusterSnapshot, RolePolicy, WorkerView
 from shared.policy.roles import ACTIVE, DECODE, DRAIN, PREFILL, SWITCH
 from shared.policy.window import KeyedWindows
 
@@ -58,8 +58,6 @@ class ControlPlane:
 
     def init_control(self) -> None:
         self.role_policy = RolePolicy(self.policy)
-        flow_window_s = self.policy.decode_flow_window_s
-        self.flow_meter = DecodeFlowMeter(flow_window_s) if flow_window_s > 0 else None
         self.ppi_windows = KeyedWindows(self.policy.window_s)
         self.switches: list[dict[str, Any]] = []
         self.migrations = 0
@@ -101,17 +99,10 @@ class ControlPlane:
                     queue_len=w.queue_len_tel,
                     decode_waiting=w.waiting_tel if w.role == DECODE else 0,
                     max_decode_requests=self.cfg.max_num_seqs if w.role == DECODE else 0,
+                    decode_counters=FlowCounters(w.dec_entered, w.dec_left),
                 )
             )
-        flow = None
-        if self.flow_meter is not None:
-            for w in self.workers:
-                counters = FlowCounters(w.dec_entered, w.dec_left)
-                self.flow_meter.observe(w.wid, counters)
-            backlog = decode_demand(views).requests
-            flow = self.flow_meter.sample(now, backlog)
-        snapshot = ClusterSnapshot(tuple(views), decode_flow=flow)
-        decision = self.role_policy.decide(snapshot, now)
+        decision = self.role_policy.decide(ClusterSnapshot(tuple(views)), now)
         if decision.switches and decision.target_role:
             for wid in decision.worker_ids:  # ADAPTIVE rules may move several at once
                 worker = next(w for w in self.workers if w.wid == wid)

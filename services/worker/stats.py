@@ -36,8 +36,8 @@ class DecodeStats:
     migrations_in_failed_total: int
     migrations_out_total: int
     iterations_total: int
-    entered_total: int = 0  # requests that joined the batch (decode flow, decode_flow.py)
-    left_total: int = 0  # requests that left it
+    entered_total: int  # requests that joined the batch (decode flow, decode_flow.py)
+    left_total: int  # requests that left it
 
 
 @dataclass(frozen=True, slots=True)

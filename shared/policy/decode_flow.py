@@ -18,7 +18,8 @@ Inputs: every worker's cumulative counters ``decode_entered_total`` and ``decode
 migration, and leaves when it finishes, is cancelled or migrates away) and the backlog N at
 each sample. The meter sums each worker's increments (a restarted worker's counters start
 again at 0: its negative step reads as 0), so a worker that changes role keeps its history.
-Pure: the caller passes every timestamp.
+``RolePolicy`` owns the meter (as it owns its DPI̅_adm window) and feeds it from each
+decision's ``WorkerView.decode_counters``. Pure: the caller passes every timestamp.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 
 from shared.policy.errors import PolicyConfigError
 
+MAX_FLOW_RATIO = 4.0  # λ_in / λ_out is capped here (and assumed when nothing left yet)
+
 
 @dataclass(frozen=True, slots=True)
 class DecodeFlow:
@@ -36,7 +39,7 @@ class DecodeFlow:
     entered: float = 0.0
     left: float = 0.0
     mean_backlog: float = 0.0
-    max_ratio: float = 4.0
+    max_ratio: float = MAX_FLOW_RATIO
 
     @property
     def requests(self) -> float:
@@ -59,11 +62,10 @@ class FlowCounters:
 class DecodeFlowMeter:
     """Sums the workers' counter increments and windows them. Mutable; not thread-safe."""
 
-    def __init__(self, window_s: float, max_ratio: float = 4.0) -> None:
+    def __init__(self, window_s: float) -> None:
         if window_s <= 0:
             raise PolicyConfigError("decode flow window_s must be > 0")
         self.window_s = window_s
-        self.max_ratio = max_ratio
         self._last: dict[str, FlowCounters] = {}
         # (time, cumulative entered, cumulative left, backlog then) per sample.
         self._samples: deque[tuple[float, float, float, float]] = deque()
@@ -89,4 +91,4 @@ class DecodeFlowMeter:
             samples.popleft()
         _, e0, l0, _ = samples[0]
         mean_backlog = sum(s[3] for s in samples) / len(samples)
-        return DecodeFlow(self._entered - e0, self._left - l0, mean_backlog, self.max_ratio)
+        return DecodeFlow(self._entered - e0, self._left - l0, mean_backlog)

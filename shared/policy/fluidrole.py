@@ -41,7 +41,8 @@ Rules, in the order they are checked:
 8. PAPER moves one worker, ADAPTIVE ``move_size`` workers (possibly none: D→P
    ``decode_headroom`` — the decode side's predicted load after even one move is too high,
    the decode backlog read as the larger of now and where the decode flow settles
-   (``ClusterSnapshot.decode_flow``, decode_flow.py, when ``decode_flow_window_s`` > 0);
+   (decode_flow.py: the policy's meter over the workers' ``decode_counters``, when
+   ``decode_flow_window_s`` > 0; ``Decision.decode_flow``);
    P→D ``prefill_headroom`` — the prefill workers' predicted busy fraction would be, unless
    the decode backlog exceeds every decode slot); candidates with least expected drain:
    D→P — fewest active decode requests (the paper's proxy), then fewest KV tokens in use;
@@ -56,7 +57,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from shared.policy.config import PAPER, PolicyConfig
-from shared.policy.decode_flow import DecodeFlow
+from shared.policy.decode_flow import DecodeFlow, DecodeFlowMeter, FlowCounters
 
 # The rules (eq. 22–23 and extensions) live in fluidrole_rules.py; importable from here too.
 from shared.policy.fluidrole_rules import D2P as D2P
@@ -89,14 +90,13 @@ class WorkerView:
     queue_len: int = 0  # prefill: requests to reassign on P→D
     decode_waiting: int = 0  # decode: requests refused for capacity, waiting to be admitted
     max_decode_requests: int = 0  # decode: its batch limit (max_num_seqs; 0 = unknown)
+    # Its process's decode flow counters, any role (decode_flow.py); None = no fresh telemetry.
+    decode_counters: FlowCounters | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
     workers: tuple[WorkerView, ...]
-    # λ·W of the decode flow (decode_flow.py); None = not measured. ADAPTIVE with
-    # cfg.decode_flow_window_s > 0 sizes moves against it too (fluidrole_sizing).
-    decode_flow: DecodeFlow | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +120,8 @@ class Decision:
     active_decode: int
     # Every worker this decision moves (worker_id is the first); () when not switching.
     worker_ids: tuple[str, ...] = ()
+    # The decode flow the sizing read (decode_flow.py); None when the policy keeps none.
+    decode_flow: DecodeFlow | None = None
 
     @property
     def switches(self) -> bool:
@@ -194,6 +196,9 @@ class RolePolicy:
         self._pending = NONE
         self._count = 0
         self._adm_window = SlidingWindow(cfg.window_s)  # DPI̅_adm per decision (ADAPTIVE)
+        self._flow: DecodeFlowMeter | None = None  # the decode flow (ADAPTIVE, decode_flow.py)
+        if cfg.rules != PAPER and cfg.decode_flow_window_s > 0:
+            self._flow = DecodeFlowMeter(cfg.decode_flow_window_s)
 
     def smoothed_adm(self, adm_now: float, now_s: float) -> float:
         """Record this decision's DPI̅_adm and return the value FluidRole reads (rule 4):
@@ -204,9 +209,25 @@ class RolePolicy:
         self._adm_window.add(now_s, adm_now)
         return self._adm_window.percentile(now_s, self.cfg.adm_smoothing_q) or 0.0
 
+    def measure_flow(
+        self, workers: Sequence[WorkerView], backlog: int, now_s: float
+    ) -> DecodeFlow | None:
+        """Feed the decode flow meter this decision's counters and backlog; the flow (None
+        without a meter). Mutates the meter."""
+        if self._flow is None:
+            return None
+        for w in workers:
+            if w.decode_counters is not None:
+                self._flow.observe(w.worker_id, w.decode_counters)
+        return self._flow.sample(now_s, backlog)
+
     def decide(self, snapshot: ClusterSnapshot, now_s: float) -> Decision:
         cfg = self.cfg
         workers = snapshot.workers
+        demand = decode_demand(workers)
+        flow = self.measure_flow(workers, demand.requests, now_s)
+        if flow is not None:
+            demand = replace(demand, forecast_requests=flow.requests)
         ppi_bar, load_bar, adm_now, n_p, n_d = aggregate_pressure(workers)
         adm_bar = self.smoothed_adm(adm_now, now_s)
         adm_d2p = max(adm_bar, adm_now)  # the D->P guard also heeds a fresh spike
@@ -230,6 +251,7 @@ class RolePolicy:
                 active_prefill=n_p,
                 active_decode=n_d,
                 worker_ids=tuple(w.worker_id for w in movers),
+                decode_flow=flow,
             )
 
         gate = None
@@ -263,9 +285,6 @@ class RolePolicy:
             return out(NONE, "would_empty_role")
         k = 1
         if cfg.rules != PAPER:
-            demand = decode_demand(workers)
-            if snapshot.decode_flow is not None and cfg.decode_flow_window_s > 0:
-                demand = replace(demand, forecast_requests=snapshot.decode_flow.requests)
             k = move_size(
                 rec,
                 ppi_bar,
