@@ -322,6 +322,26 @@ def test_failure_after_install_frees_the_installed_blocks(peers: list[PeerProc],
     dst.clean_state(free_dst)
 
 
+def test_a_deadline_after_the_ok_verdict_keeps_the_installed_sequence(
+    peers: list[PeerProc],
+) -> None:
+    """The "installed" verdict reached the sender (which drops its copy on it), and the
+    receiver's send of it completes only after the receive's deadline: the receive still
+    succeeds and keeps the sequence. Freeing it there lost the request on both sides."""
+    src, dst = peers[0], peers[1]
+    free_src, free_dst = src.call("state")["free_blocks"], dst.call("state")["free_blocks"]
+    dst.call("slow_verdict", hold_s=1.5)
+    rid = "late-verdict"
+    filled, sent, recv = transfer(src, dst, rid, 100, recv_timeout_s=1.0, send_timeout_s=5.0)
+    assert sent["ok"], sent  # the sender saw "installed"
+    assert recv["ok"], recv  # and the receiver agrees
+    assert recv["digests"] == filled["digests"]
+    assert rid in dst.call("state")["sequences"]
+    src.clean_state(free_src)  # the source sequence was freed on release
+    dst.call("free", seq=rid)
+    dst.clean_state(free_dst)
+
+
 def test_late_write_after_cancel_cannot_land(peers: list[PeerProc]) -> None:
     src, dst = peers[0], peers[1]
     free_src, free_dst = src.call("state")["free_blocks"], dst.call("state")["free_blocks"]

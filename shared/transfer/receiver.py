@@ -5,6 +5,9 @@ owns the reservation from then on and ends in exactly one of two ways:
 
 - every segment arrived and the envelope, trailer, generations and checksums validated
   -> ``BlockManager.install`` in one step (the request becomes runnable), ok verdict sent;
+  the deadline covers everything up to the verdict, not the verdict's send (the sender may
+  act on it before the send completes here), so once the ok verdict is posted the receive
+  succeeds (only a cancel by the caller, which ends the request, still frees it);
 - anything else (rejection, sender abort, deadline, transport error, local cancellation)
   -> ``cancel_reservation`` (``free_sequence`` once installed: a failure while settling
   after the install); every posted UCX receive into the arena is cancelled and its pin
@@ -148,9 +151,10 @@ class KVReceiver:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         error: TransferError | None = None
+        seq = seq_id or ticket.request_id
         try:
             async with asyncio.timeout(timeout_s):
-                return await self._receive(st, seq_id or ticket.request_id, t0)
+                got, env = await self._receive(st, seq, t0)
         except TimeoutError:
             n_seg = len(st.envelope.segments) if st.envelope else 0
             error = TransferTimeout(
@@ -176,9 +180,24 @@ class KVReceiver:
                 # must not abandon the clean-up halfway and leave the reservation held.
                 await asyncio.shield(self._fail(st, error))
             self._active.discard(ticket.transfer_id)
+        # Committed: landed, validated, installed, control receives settled. The sender
+        # drops its copy once the "installed" verdict reaches it, which can be before the
+        # send completes here, so no deadline applies from this point: one firing mid-send
+        # freed blocks the sender counted as moved, and a migrated request ended silently.
+        # The send is bounded by its own timeout. A cancel by our caller still frees the
+        # sequence (it ended the request here: a client cancel, an engine failure).
+        try:
+            await self._send_verdict(env, True, "installed")
+        except BaseException:
+            self.bm.free_sequence(seq)
+            raise
+        return got
 
     # ------------------------------------------------------------------ internals
-    async def _receive(self, st: Inbound, seq_id: str, t0: float) -> ReceivedKV:
+    async def _receive(self, st: Inbound, seq_id: str, t0: float) -> tuple[ReceivedKV, Envelope]:
+        """Land, validate and install ``st``'s transfer as ``seq_id``; the ok verdict is
+        the caller's (``receive``, outside the deadline). On any exception after the
+        install the sequence is freed again."""
         ticket, node, loop = st.ticket, self.node, asyncio.get_running_loop()
         tid, n = ticket.transfer_id, ticket.num_blocks
         dst = ticket.block_ids[:n]
@@ -233,11 +252,10 @@ class KVReceiver:
         abort_task.cancel()
         try:
             await self._releaser.settle_control(st)
-            await self._send_verdict(env, True, "installed")
         except BaseException:
             # Failed (or cancelled, or past the deadline) before the caller got the
             # sequence: nobody would ever run or free it, so free it here; the caller sees
-            # the error and ``receive`` reports it to the sender.
+            # the error and ``receive`` reports it to the sender (no ok verdict went out).
             self.bm.free_sequence(seq_id)
             raise
         timings = {
@@ -258,7 +276,7 @@ class KVReceiver:
             env.src_worker_id,
             timings["total_ms"],
         )
-        return ReceivedKV(
+        received = ReceivedKV(
             request_id=ticket.request_id,
             seq_id=seq_id,
             block_ids=block_ids,
@@ -270,6 +288,7 @@ class KVReceiver:
             num_segments=len(env.segments),
             timings_ms=timings,
         )
+        return received, env
 
     async def _race(
         self, st: Inbound, work: Any, abort_task: asyncio.Future[Any], abort_buf: bytearray

@@ -167,6 +167,19 @@ class Peer:
         releaser.settle_control = faulty  # type: ignore[method-assign]
         return {}
 
+    async def cmd_slow_verdict(self, hold_s: float) -> dict[str, Any]:
+        """Make the receiver's next verdict send complete ``hold_s`` late: the frame goes
+        out at once (the sender has it), then the send waits, as a slow completion would."""
+        receiver = self.receiver
+
+        async def slow(env: Any, ok: bool, reason: str) -> None:
+            del receiver._send_verdict  # one shot: the class's method again
+            await receiver._send_verdict(env, ok, reason)
+            await asyncio.sleep(hold_s)
+
+        receiver._send_verdict = slow  # type: ignore[method-assign]
+        return {}
+
     async def cmd_digests(self, seq: str) -> dict[str, Any]:
         ids = self.bm.block_table(seq)
         return {"block_ids": list(ids), "digests": self.digests(ids)}
