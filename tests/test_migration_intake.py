@@ -12,6 +12,8 @@ failure path.
 * A cancel that overtakes the migration: refused when the peer was told first; when only
   the source was told (while it asked the peer), the source moves nothing and has the
   peer drop its reservation (a source in this process beside the peer, sharing its node).
+* A move whose "installed" verdict is lost: the source cannot know whether the peer runs
+  it, so it ends the stream (``migration_failed``) and has the peer drop its copy.
 
 The same fault on real processes, through the router: test_fail_migration.py."""
 
@@ -50,6 +52,7 @@ from shared.messages import (
 from shared.policy.roles import DECODE
 from shared.transfer.receiver import KVReceiver
 from shared.transfer.sender import KVSender
+from shared.transfer.ucx_node import TransferNode
 from tests.support.nats_server import NatsServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -115,6 +118,40 @@ async def _receive_ended(role: DecodeRole, request_id: str) -> None:
     task = role.table.requests[request_id].receive_task
     assert task is not None
     await asyncio.wait_for(task, TRANSFER_TIMEOUT_S + 5.0)
+
+
+def _source(
+    node: TransferNode, request_id: str
+) -> tuple[StepEngine, KVReceiver, DecodeRole, TokenStreamer]:
+    """Decode worker d0 in this process beside d1 (on d1's UCX node), running
+    ``request_id`` as if its prompt ran and one token came out."""
+    cfg0 = _config("d0")
+    engine0 = build_engine(cfg0)
+    receiver0 = KVReceiver(
+        node,
+        worker_id="d0",
+        block_manager=engine0.block_manager,
+        arena=engine0.arena,
+        fingerprint=fingerprint_of(engine0),
+        secret=cfg0.secret_bytes,
+    )
+    streamer0 = TokenStreamer(StreamSequencer("d0"))
+    role0 = _role(engine0, receiver0, streamer0)
+    role0.serve_local(
+        PrefillRequest(
+            request_id=request_id,
+            router_id="rt",
+            prompt_token_ids=tuple(range(4, 44)),
+            sampling=SamplingParams(max_tokens=50, seed=3),
+            decode_worker_id="d0",
+            arrival_time_s=0.0,
+            ttft_deadline_s=10.0,
+            tokens_subject="tokens.rt",
+        )
+    )
+    seq = role0.table.requests[request_id].seq
+    seq.num_cached_tokens, seq.output_token_ids = 40, [7]
+    return engine0, receiver0, role0, streamer0
 
 
 async def test_a_failed_migration_in_ends_without_an_item_and_frees_everything(
@@ -211,32 +248,8 @@ async def test_a_request_cancelled_while_its_move_is_asked_is_not_moved(
     process beside d1 (one UCX node, d1's; its KV would go to d1 over it); real nats."""
     role1, _ = peer
     node = endpoints[1].node
-    cfg0 = _config("d0")
-    engine0 = build_engine(cfg0)
-    fp, secret = fingerprint_of(engine0), cfg0.secret_bytes
-    receiver0 = KVReceiver(
-        node,
-        worker_id="d0",
-        block_manager=engine0.block_manager,
-        arena=engine0.arena,
-        fingerprint=fp,
-        secret=secret,
-    )
-    role0 = _role(engine0, receiver0, TokenStreamer(StreamSequencer("d0")))
-    role0.serve_local(
-        PrefillRequest(
-            request_id="r5",
-            router_id="rt",
-            prompt_token_ids=tuple(range(4, 44)),
-            sampling=SamplingParams(max_tokens=50, seed=3),
-            decode_worker_id="d0",
-            arrival_time_s=0.0,
-            ttft_deadline_s=10.0,
-            tokens_subject="tokens.rt",
-        )
-    )
-    seq = role0.table.requests["r5"].seq  # as if its prompt ran and one token came out
-    seq.num_cached_tokens, seq.output_token_ids = 40, [7]
+    engine0, receiver0, role0, _ = _source(node, "r5")
+    fp, secret = fingerprint_of(engine0), _config("d0").secret_bytes
     bm0, bm1 = engine0.block_manager, role1.bm
     subjects = Subjects(prefix=f"t{os.urandom(3).hex()}")
     cancels: list[str] = []
@@ -276,6 +289,70 @@ async def test_a_request_cancelled_while_its_move_is_asked_is_not_moved(
             await asyncio.sleep(0.01)
         assert cancels == ["r5"] and "r5" not in bm1.sequences()
         assert bm1.num_free_blocks == bm1.num_usable_blocks
+        bm1.check_integrity()
+        sender0.close()
+    receiver0.close()
+
+
+async def test_a_move_whose_verdict_is_lost_ends_clearly_and_runs_nowhere(
+    endpoints: tuple[StepEngine, TransferEndpoints],
+    peer: tuple[DecodeRole, TokenStreamer],
+    nats_server_module: NatsServer,
+) -> None:
+    """d1 installs the request but its "installed" verdict never reaches d0 (lost): d0's
+    send ends at its deadline after its last message went out, so the outcome is unknown.
+    d0 must not resume the request (it may run on d1) and must not leave it hanging: its
+    stream ends with ``migration_failed``, and d1 is told to drop its copy, so the request
+    runs nowhere and both pools are whole again. Real UCX and nats, d0 beside d1."""
+    role1, _ = peer
+    transfer = endpoints[1]
+    engine0, receiver0, role0, streamer0 = _source(transfer.node, "r6")
+    fp, secret = fingerprint_of(engine0), _config("d0").secret_bytes
+    bm0, bm1 = engine0.block_manager, role1.bm
+    subjects = Subjects(prefix=f"t{os.urandom(3).hex()}")
+    cancels: list[str] = []
+    receiver1 = transfer.receiver
+
+    async def lost(env: object, ok: bool, reason: str) -> None:
+        del receiver1._send_verdict  # one shot: the class's method again
+
+    async def on_migrate(msg: MigrateRequest) -> AdmitReply:
+        return role1.admit_migration(msg)
+
+    async def on_cancel(msg: CancelRequest) -> None:
+        cancels.append(msg.request_id)
+        role1.cancel(msg.request_id)
+
+    receiver1._send_verdict = lost  # type: ignore[method-assign]
+    async with Bus(BusConfig(servers=(nats_server_module.url,)), subjects) as bus:
+        await bus.serve(subjects.worker_migrate("d1"), MigrateRequest, on_migrate)
+        await bus.serve(subjects.worker_cancel("d1"), CancelRequest, on_cancel)
+        sender0 = KVSender(transfer.node, worker_id="d0", fingerprint=fp, secret=secret)
+        migrator = Migrator(
+            "d0",
+            bus,
+            subjects,
+            engine0,
+            sender0,
+            role0.table,
+            secret=secret,
+            transfer_timeout_s=1.0,
+            flush_now=_no_flush,
+        )
+        assert await migrator.migrate_out("r6", ["d1"]) is True  # not resumed here
+        ends = [i for i in _items(streamer0) if i.request_id == "r6" and i.finish_reason]
+        assert [(i.finish_reason, i.error_code) for i in ends] == [("error", "migration_failed")]
+        assert role0.table.drained() and bm0.num_free_blocks == bm0.num_usable_blocks
+        bm0.check_integrity()
+        table1 = role1.table
+        async with asyncio.timeout(5.0):  # d1 installed it, then the cancel frees it
+            while "r6" in table1.requests or "r6" in bm1.sequences():
+                table1.progress.clear()
+                if "r6" not in table1.requests and "r6" not in bm1.sequences():
+                    break
+                await table1.progress.wait()
+        assert cancels == ["r6"] and table1.drained()
+        assert bm1.num_free_blocks == bm1.num_usable_blocks and bm1.num_reserved_blocks == 0
         bm1.check_integrity()
         sender0.close()
     receiver0.close()
