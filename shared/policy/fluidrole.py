@@ -56,47 +56,28 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+# What the policy reads of the cluster (views, snapshot, pure reads); importable from here too.
+from shared.policy.cluster_view import ClusterSnapshot as ClusterSnapshot
+from shared.policy.cluster_view import WorkerView as WorkerView
+from shared.policy.cluster_view import aggregate_pressure as aggregate_pressure
+from shared.policy.cluster_view import decode_demand as decode_demand
+from shared.policy.cluster_view import pick_candidates as pick_candidates
+from shared.policy.cluster_view import prefill_busy_mean as prefill_busy_mean
 from shared.policy.config import PAPER, PolicyConfig
-from shared.policy.decode_flow import DecodeFlow, DecodeFlowMeter, FlowCounters
+from shared.policy.decode_flow import DecodeFlow, DecodeFlowMeter
 
 # The rules (eq. 22–23 and extensions) live in fluidrole_rules.py; importable from here too.
 from shared.policy.fluidrole_rules import D2P as D2P
 from shared.policy.fluidrole_rules import NONE as NONE
 from shared.policy.fluidrole_rules import P2D as P2D
 from shared.policy.fluidrole_rules import recommend as recommend
-from shared.policy.fluidrole_sizing import DecodeDemand, move_size
+from shared.policy.fluidrole_sizing import move_size
 
 # The vocabulary is roles.py's; these names stay importable from here for the policy's users.
 from shared.policy.roles import ACTIVE, DECODE, PREFILL
 from shared.policy.roles import DRAIN as DRAIN
 from shared.policy.roles import SWITCH as SWITCH
 from shared.policy.window import SlidingWindow
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerView:
-    """What the controller knows about one worker. Fields of the other role are ignored."""
-
-    worker_id: str
-    role: str  # PREFILL | DECODE (the role it serves now, or is leaving while draining)
-    state: str = ACTIVE  # ACTIVE | DRAIN | SWITCH
-    ppi_p95: float = 0.0  # prefill: PPI^95(p) over the window (eq. 20)
-    dpi_load: float = 0.0  # decode: eq. 7
-    dpi_adm: float = 0.0  # decode: eq. 8
-    active_decode_requests: int = 0  # decode: D→P drain proxy
-    kv_active_tokens: int = 0  # decode: tie-break for D→P
-    running_prefill_tokens: int = 0  # prefill: P→D drain (prefill it must finish)
-    prefill_busy_frac: float = 0.0  # prefill: seconds computing per second (busy.py)
-    queue_len: int = 0  # prefill: requests to reassign on P→D
-    decode_waiting: int = 0  # decode: requests refused for capacity, waiting to be admitted
-    max_decode_requests: int = 0  # decode: its batch limit (max_num_seqs; 0 = unknown)
-    # Its process's decode flow counters, any role (decode_flow.py); None = no fresh telemetry.
-    decode_counters: FlowCounters | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterSnapshot:
-    workers: tuple[WorkerView, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,55 +110,6 @@ class Decision:
 
     def to_log(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def aggregate_pressure(workers: Sequence[WorkerView]) -> tuple[float, float, float, int, int]:
-    """Eq. 20–21 over Active workers: (PPI̅, DPI̅_load, DPI̅_adm, n_prefill, n_decode)."""
-    ppi_bar = 0.0
-    load_sum = adm_sum = 0.0
-    n_p = n_d = 0
-    for w in workers:
-        if w.state != ACTIVE:
-            continue
-        if w.role == PREFILL:
-            n_p += 1
-            ppi_bar = max(ppi_bar, w.ppi_p95)
-        elif w.role == DECODE:
-            n_d += 1
-            load_sum += w.dpi_load
-            adm_sum += w.dpi_adm
-    return (ppi_bar, load_sum / n_d if n_d else 0.0, adm_sum / n_d if n_d else 0.0, n_p, n_d)
-
-
-def decode_demand(workers: Sequence[WorkerView]) -> DecodeDemand:
-    """The decode backlog — running decodes and requests waiting for decode admission on
-    every decode-role worker (draining ones too: their decodes move to the others) — and
-    the decode workers' batch limit (the largest one reported; 0 when none is)."""
-    requests = slots = 0
-    for w in workers:
-        if w.role == DECODE:
-            requests += w.active_decode_requests + w.decode_waiting
-            slots = max(slots, w.max_decode_requests)
-    return DecodeDemand(requests, slots)
-
-
-def prefill_busy_mean(workers: Sequence[WorkerView]) -> float:
-    """Mean busy fraction (shared/policy/busy.py) of the Active prefill workers (0 if none)."""
-    vals = [w.prefill_busy_frac for w in workers if w.state == ACTIVE and w.role == PREFILL]
-    return sum(vals) / len(vals) if vals else 0.0
-
-
-def pick_candidates(workers: Sequence[WorkerView], action: str, k: int) -> list[WorkerView]:
-    """The ``k`` Active workers of the source role with the least expected drain (rule 8)."""
-    if action == D2P:
-        pool = [w for w in workers if w.state == ACTIVE and w.role == DECODE]
-        pool.sort(key=lambda w: (w.active_decode_requests, w.kv_active_tokens, w.worker_id))
-    elif action == P2D:
-        pool = [w for w in workers if w.state == ACTIVE and w.role == PREFILL]
-        pool.sort(key=lambda w: (w.running_prefill_tokens, w.queue_len, w.worker_id))
-    else:
-        return []
-    return pool[:k]
 
 
 class RolePolicy:
