@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -36,6 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.sim import add_cluster_args, base_config
+
+# The verdict over the cells; importable from here too.
+from services.bench.sweep_summary import HOPELESS as HOPELESS
+from services.bench.sweep_summary import SLACK_PP as SLACK_PP
+from services.bench.sweep_summary import cell_goal_ok as cell_goal_ok
+from services.bench.sweep_summary import summarize as summarize
 from services.bench.workloads import MIXED, POISSON, STAGED, WORKLOADS, build_workload
 from services.sim.config import FULL, ORACLE, STATIC, STATIC_PRESSURE, SimConfig
 from services.sim.run import run_config
@@ -43,8 +48,6 @@ from shared.engine.profiles import load_profile
 
 DEFAULT_RPS = {STAGED: "20,25,30,35", MIXED: "10,15,20,25"}
 CONFIGS = (FULL, ORACLE, STATIC, STATIC_PRESSURE)
-SLACK_PP = 3.0  # full >= oracle − 3 pp in every cell
-HOPELESS = 0.5  # where the oracle is below this, full >= oracle
 
 
 @dataclass(frozen=True)
@@ -186,62 +189,6 @@ def run_cell(
             "wall_s": round(time.perf_counter() - t0, 2),
         }
     return row
-
-
-def cell_goal_ok(row: dict[str, Any]) -> bool:
-    full, oracle = row[FULL]["joint"], row[ORACLE]["joint"]
-    if full < oracle - SLACK_PP / 100:
-        return False
-    return not (oracle < HOPELESS and full < oracle)
-
-
-def _dist(values: list[float]) -> dict[str, float]:
-    return {"min": round(min(values), 1), "median": round(statistics.median(values), 1)}
-
-
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per-RPS distributions and the goal verdicts, tuned and held-out apart. A goal group
-    with no cells reports ``"holds": None`` (no evidence), never ``False``."""
-    by_rps: dict[str, dict[str, Any]] = {}
-    goals: dict[str, dict[str, Any]] = {}
-    for part, keep in (("tuned", True), ("held_out", False)):
-        sel = [r for r in rows if r["tuned"] is keep]
-        failed = [r for r in sel if not cell_goal_ok(r)]
-        goals[part] = {
-            "cells": len(sel),
-            "cells_failed": len(failed),
-            # An empty group (e.g. a sweep of only held-out cells) is no evidence either way.
-            "holds": (not failed) if sel else None,
-            "failed_cells": [
-                {k: r[k] for k in ("workload", "seed", "offset_s", "rps")}
-                | {"full": r[FULL]["joint"], "oracle": r[ORACLE]["joint"]}
-                for r in failed
-            ],
-        }
-    keys = sorted({(r["workload"], r["rps"]) for r in rows})
-    for workload, rps in keys:
-        for part, sel_fn in (
-            ("all", lambda r: True),
-            ("held_out", lambda r: not r["tuned"]),
-        ):
-            sel = [r for r in rows if r["workload"] == workload and r["rps"] == rps and sel_fn(r)]
-            if not sel:
-                continue
-
-            def pp(a: str, b: str, rs: list[dict[str, Any]] = sel) -> list[float]:
-                return [100.0 * (r[a]["joint"] - r[b]["joint"]) for r in rs]
-
-            by_rps.setdefault(workload, {}).setdefault(f"{rps:g}", {})[part] = {
-                "cells": len(sel),
-                "full_minus_oracle_pp": _dist(pp(FULL, ORACLE)),
-                "full_minus_static_pp": _dist(pp(FULL, STATIC)),
-                "full_minus_static_pressure_pp": _dist(pp(FULL, STATIC_PRESSURE)),
-                "full_median": round(statistics.median(r[FULL]["joint"] for r in sel), 3),
-                "oracle_median": round(statistics.median(r[ORACLE]["joint"] for r in sel), 3),
-                "oracle_min": round(min(r[ORACLE]["joint"] for r in sel), 3),
-                "goal_cells_failed": sum(1 for r in sel if not cell_goal_ok(r)),
-            }
-    return {"goals": goals, "by_rps": by_rps}
 
 
 def main(argv: list[str] | None = None) -> int:
