@@ -154,6 +154,31 @@ def _source(
     return engine0, receiver0, role0, streamer0
 
 
+def _migrator(
+    bus: Bus,
+    subjects: Subjects,
+    node: TransferNode,
+    engine0: StepEngine,
+    role0: DecodeRole,
+    transfer_timeout_s: float,
+) -> tuple[Migrator, KVSender]:
+    """d0's migrator and the KV sender it moves with (the caller closes the sender)."""
+    secret = _config("d0").secret_bytes
+    sender0 = KVSender(node, worker_id="d0", fingerprint=fingerprint_of(engine0), secret=secret)
+    migrator = Migrator(
+        "d0",
+        bus,
+        subjects,
+        engine0,
+        sender0,
+        role0.table,
+        secret=secret,
+        transfer_timeout_s=transfer_timeout_s,
+        flush_now=_no_flush,
+    )
+    return migrator, sender0
+
+
 async def test_a_failed_migration_in_ends_without_an_item_and_frees_everything(
     peer: tuple[DecodeRole, TokenStreamer],
 ) -> None:
@@ -249,7 +274,6 @@ async def test_a_request_cancelled_while_its_move_is_asked_is_not_moved(
     role1, _ = peer
     node = endpoints[1].node
     engine0, receiver0, role0, _ = _source(node, "r5")
-    fp, secret = fingerprint_of(engine0), _config("d0").secret_bytes
     bm0, bm1 = engine0.block_manager, role1.bm
     subjects = Subjects(prefix=f"t{os.urandom(3).hex()}")
     cancels: list[str] = []
@@ -265,18 +289,7 @@ async def test_a_request_cancelled_while_its_move_is_asked_is_not_moved(
     async with Bus(BusConfig(servers=(nats_server_module.url,)), subjects) as bus:
         await bus.serve(subjects.worker_migrate("d1"), MigrateRequest, on_migrate)
         await bus.serve(subjects.worker_cancel("d1"), CancelRequest, on_cancel)
-        sender0 = KVSender(node, worker_id="d0", fingerprint=fp, secret=secret)
-        migrator = Migrator(
-            "d0",
-            bus,
-            subjects,
-            engine0,
-            sender0,
-            role0.table,
-            secret=secret,
-            transfer_timeout_s=2.0,
-            flush_now=_no_flush,
-        )
+        migrator, sender0 = _migrator(bus, subjects, node, engine0, role0, 2.0)
         assert await migrator.migrate_out("r5", ["d1"]) is True  # it no longer runs here
         assert role0.table.drained() and bm0.num_free_blocks == bm0.num_usable_blocks
         bm0.check_integrity()
@@ -307,7 +320,6 @@ async def test_a_move_whose_verdict_is_lost_ends_clearly_and_runs_nowhere(
     role1, _ = peer
     transfer = endpoints[1]
     engine0, receiver0, role0, streamer0 = _source(transfer.node, "r6")
-    fp, secret = fingerprint_of(engine0), _config("d0").secret_bytes
     bm0, bm1 = engine0.block_manager, role1.bm
     subjects = Subjects(prefix=f"t{os.urandom(3).hex()}")
     cancels: list[str] = []
@@ -327,18 +339,7 @@ async def test_a_move_whose_verdict_is_lost_ends_clearly_and_runs_nowhere(
     async with Bus(BusConfig(servers=(nats_server_module.url,)), subjects) as bus:
         await bus.serve(subjects.worker_migrate("d1"), MigrateRequest, on_migrate)
         await bus.serve(subjects.worker_cancel("d1"), CancelRequest, on_cancel)
-        sender0 = KVSender(transfer.node, worker_id="d0", fingerprint=fp, secret=secret)
-        migrator = Migrator(
-            "d0",
-            bus,
-            subjects,
-            engine0,
-            sender0,
-            role0.table,
-            secret=secret,
-            transfer_timeout_s=1.0,
-            flush_now=_no_flush,
-        )
+        migrator, sender0 = _migrator(bus, subjects, transfer.node, engine0, role0, 1.0)
         assert await migrator.migrate_out("r6", ["d1"]) is True  # not resumed here
         ends = [i for i in _items(streamer0) if i.request_id == "r6" and i.finish_reason]
         assert [(i.finish_reason, i.error_code) for i in ends] == [("error", "migration_failed")]
