@@ -106,7 +106,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def cell_key(row: dict[str, Any]) -> tuple[str, int, float, float, int]:
+# What identifies a cell's trace: workload, seed, offset, rps and request count.
+CellKey = tuple[str, int, float, float, int]
+
+
+def cell_key(row: dict[str, Any]) -> CellKey:
     """What identifies a cell's trace in an --out row."""
     return (
         row["workload"],
@@ -150,7 +154,7 @@ def run_cell(
     base: SimConfig,
     profile_name: str,
     configs: tuple[str, ...] = CONFIGS,
-    reused: dict[tuple[str, int, float, float, int], dict[str, Any]] | None = None,
+    reused: dict[CellKey, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """``configs`` on one cell's trace (joint attainment and counters per config); the other
     configurations are copied from the ``reused`` row of the same cell, or run when there is
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         rows_in = load_rows(args.summarize)
         print(json.dumps({"bench": "sim-sweep", "cells": len(rows_in), **summarize(rows_in)}))
         return 0
-    reused: dict[tuple[str, int, float, float, int], dict[str, Any]] = {}
+    reused: dict[CellKey, dict[str, Any]] = {}
     if args.reuse:
         try:
             reused = {cell_key(r): r for r in load_rows(args.reuse)}

@@ -154,7 +154,7 @@ class KVReceiver:
         seq = seq_id or ticket.request_id
         try:
             async with asyncio.timeout(timeout_s):
-                got, env = await self._receive(st, seq, t0)
+                got = await self._receive(st, seq, t0)
         except TimeoutError:
             n_seg = len(st.envelope.segments) if st.envelope else 0
             error = TransferTimeout(
@@ -186,18 +186,19 @@ class KVReceiver:
         # freed blocks the sender counted as moved, and a migrated request ended silently.
         # The send is bounded by its own timeout. A cancel by our caller still frees the
         # sequence (it ended the request here: a client cancel, an engine failure).
+        assert st.envelope is not None  # installed: the envelope was read and checked
         try:
-            await self._send_verdict(env, True, "installed")
+            await self._send_verdict(st.envelope, True, "installed")
         except BaseException:
             self.bm.free_sequence(seq)
             raise
         return got
 
     # ------------------------------------------------------------------ internals
-    async def _receive(self, st: Inbound, seq_id: str, t0: float) -> tuple[ReceivedKV, Envelope]:
-        """Land, validate and install ``st``'s transfer as ``seq_id``; the ok verdict is
-        the caller's (``receive``, outside the deadline). On any exception after the
-        install the sequence is freed again."""
+    async def _receive(self, st: Inbound, seq_id: str, t0: float) -> ReceivedKV:
+        """Land, validate and install ``st``'s transfer as ``seq_id`` (sets ``st.envelope``);
+        the ok verdict is the caller's (``receive``, outside the deadline). On any exception
+        after the install the sequence is freed again."""
         ticket, node, loop = st.ticket, self.node, asyncio.get_running_loop()
         tid, n = ticket.transfer_id, ticket.num_blocks
         dst = ticket.block_ids[:n]
@@ -276,7 +277,7 @@ class KVReceiver:
             env.src_worker_id,
             timings["total_ms"],
         )
-        received = ReceivedKV(
+        return ReceivedKV(
             request_id=ticket.request_id,
             seq_id=seq_id,
             block_ids=block_ids,
@@ -288,7 +289,6 @@ class KVReceiver:
             num_segments=len(env.segments),
             timings_ms=timings,
         )
-        return received, env
 
     async def _race(
         self, st: Inbound, work: Any, abort_task: asyncio.Future[Any], abort_buf: bytearray
