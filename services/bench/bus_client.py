@@ -20,6 +20,7 @@ from shared.bus import Bus
 from shared.bus.config import BusConfig
 from shared.bus.registry_watcher import RegistryWatcher
 from shared.messages import (
+    ABORT_REASONS,
     Ack,
     CancelRequest,
     PrefillRequest,
@@ -58,6 +59,53 @@ class StreamRecord:
     # Only when asked (submit's logprobs / prompt_logprobs): per token, per prompt position.
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    # A stop/length end seen before all its tokens: (end position, reason, error).
+    _end: tuple[int, str, str | None] | None = field(default=None, repr=False)
+
+    def place(
+        self,
+        pos: int,
+        token: int,
+        recv_s: float,
+        recv_wall_s: float,
+        by: str,
+        logprob: TokenLogprob | None = None,
+    ) -> None:
+        """Record one token at its stream position. Mutates the per-token lists.
+
+        Tokens from two publishers can arrive out of order: P's first token and D's second
+        leave over different NATS connections, and the server owes no order across them.
+        The router orders by position (``services/router/streams.py``); so does this
+        record, so ``token_ids`` reads in stream order. A repeated position is kept (after
+        the first), so ``indices == list(range(n))`` still catches repeats and gaps."""
+        i = len(self.indices)
+        while i and self.indices[i - 1] > pos:  # almost always 0 steps: in-order arrival
+            i -= 1
+        self.indices.insert(i, pos)
+        self.token_ids.insert(i, token)
+        self.recv_s.insert(i, recv_s)
+        self.recv_wall_s.insert(i, recv_wall_s)
+        self.publishers.insert(i, by)
+        if logprob is not None:  # asked for: every token carries one
+            self.logprobs.insert(i, logprob)
+
+    def end_at(self, end_pos: int, finish_reason: str, error: str | None) -> None:
+        """Note an end item. An abort ends the record now; a stop/length end waits until
+        every position before ``end_pos`` has arrived (``finish_if_whole``). Mutates."""
+        if finish_reason in ABORT_REASONS:
+            self.finish_reason, self.error = finish_reason, error
+            self.done.set()
+        elif self._end is None:
+            self._end = (end_pos, finish_reason, error)
+
+    def finish_if_whole(self) -> None:
+        """Mark the record done once a noted end's positions are all here. Mutates."""
+        if self._end is None or self.done.is_set():
+            return
+        end_pos, reason, error = self._end
+        if set(range(end_pos)) <= set(self.indices):
+            self.finish_reason, self.error = reason, error
+            self.done.set()
 
 
 @dataclass(frozen=True)
@@ -118,24 +166,20 @@ class BenchBusClient:
             if st is not None:  # P's prompt logprobs may come after D's last token
                 for offset, plp in enumerate(item.prompt_logprobs):
                     st.prompt_logprobs.setdefault(item.prompt_logprobs_start + offset, plp)
-            if st is None or st.finish_reason is not None:
+            if st is None or st.done.is_set():
                 continue
             if item.handed_to is not None and item.handed_role is not None:
                 st.hand_overs.append(
                     (batch.publisher_id, item.handed_to, item.handed_role, len(st.token_ids))
                 )
-            st.logprobs.extend(item.logprobs)
             for name, value in item.timestamps.items():
                 st.timestamps.setdefault(name, value)
             for offset, tok in enumerate(item.token_ids):
-                st.indices.append(item.index + offset)
-                st.token_ids.append(tok)
-                st.recv_s.append(now)
-                st.recv_wall_s.append(wall)
-                st.publishers.append(batch.publisher_id)
+                lp = item.logprobs[offset] if item.logprobs else None
+                st.place(item.index + offset, tok, now, wall, batch.publisher_id, lp)
             if item.finish_reason is not None:
-                st.finish_reason, st.error = item.finish_reason, item.error
-                st.done.set()
+                st.end_at(item.index + len(item.token_ids), item.finish_reason, item.error)
+            st.finish_if_whole()
         self._notify()
 
     async def _on_telemetry(self, msg: WorkerTelemetry) -> None:

@@ -13,9 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from shared.messages import TokenItem, TokenLogprob
-
-ABORT_REASONS = ("error", "cancelled")
+from shared.messages import ABORT_REASONS, TokenItem, TokenLogprob
 
 
 @dataclass(frozen=True)

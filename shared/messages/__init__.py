@@ -24,6 +24,7 @@ from shared.messages.limits import (
 from shared.messages.schema import Message, MessageError, MessageTooLargeError
 from shared.messages.sequence import Observation, SequenceTracker, StreamSequencer
 from shared.messages.streams import (
+    ABORT_REASONS,
     ControllerDecision,
     StateEvent,
     StreamMessage,
@@ -75,6 +76,7 @@ ALL_MESSAGE_TYPES: tuple[type[Message], ...] = (
 )
 
 __all__ = [
+    "ABORT_REASONS",
     "ALL_MESSAGE_TYPES",
     "MAX_MESSAGE_BYTES",
     "MAX_WIRE_BLOCKS",

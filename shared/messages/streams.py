@@ -17,6 +17,8 @@ _ID = {"max_len": MAX_ID_CHARS}
 MAX_ITEM_TOKENS = 4096
 MAX_TIMESTAMPS = 32
 MAX_FINISH_REASON_CHARS = 32
+# Finish reasons that end a stream at once, whatever tokens are still in flight.
+ABORT_REASONS = ("error", "cancelled")
 MAX_TOP_LOGPROBS = 20
 
 
