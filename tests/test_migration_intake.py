@@ -174,7 +174,7 @@ def _migrator(
         role0.table,
         secret=secret,
         transfer_timeout_s=transfer_timeout_s,
-        flush_now=_no_flush,
+        deliver_now=_no_flush,
     )
     return migrator, sender0
 

@@ -53,8 +53,9 @@ class InFlight:
         given to can rebind it) hands the ``role`` part of this request to ``to_id``: a
         queue hand-off at a P->D switch, a re-pairing with another decode worker, a live
         migration (or its hand-back when the request resumes). The notice comes before the
-        new worker can stream anything (one publisher's messages keep their order through
-        nats-server). Mutates this entry."""
+        new worker can stream anything: the old worker waits for the server to process it
+        (TokenFlusher.deliver_now) before the new one gets the request, and one server keeps
+        the order of what it has processed. Mutates this entry."""
         if role == PREFILL:
             self.prefill_id = to_id
         else:

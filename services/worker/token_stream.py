@@ -2,7 +2,8 @@
 
 The scheduler ``add``s items while it commits an iteration, then ``flush``es once; the bus
 message rate is then (iterations × routers), independent of the number of streams.
-``TokenFlusher`` publishes them.
+``TokenFlusher`` publishes them (``deliver_now`` when order against another worker's
+items matters: a custody hand-over).
 """
 
 from __future__ import annotations
@@ -82,6 +83,22 @@ class TokenFlusher:
         self._waiters.append(fut)
         self._event.set()
         await fut
+
+    async def deliver_now(self) -> None:
+        """``flush_now``, then a round trip to the server: returns once nats-server has
+        processed everything published so far, so a message another worker publishes
+        after this returns reaches the router after ours (one server orders what it has
+        processed; it owes no order across connections for what is still in flight; with
+        one server, as deploy/ runs it: a NATS cluster's routes would void this). A
+        custody hand-over needs that: the router drops items from a worker it was not told
+        of, and the new worker streams over its own connection. If the round trip fails
+        (bus down, reconnecting) this logs and returns: the notice is still queued in the
+        client, as with ``flush_now``."""
+        await self.flush_now()
+        try:
+            await self._bus.flush()
+        except Exception as exc:
+            log.warning("token_deliver_unconfirmed", error=f"{type(exc).__name__}: {exc}"[:200])
 
     async def run(self) -> None:
         """The flush loop. Runs until cancelled."""

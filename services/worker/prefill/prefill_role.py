@@ -68,6 +68,7 @@ class PrefillRole:
         publish: Callable[[], Any],
         *,
         flush_now: Callable[[], Awaitable[None]],
+        deliver_now: Callable[[], Awaitable[None]],
         secret: bytes,
         admit_timeout_s: float,
         transfer_timeout_s: float,
@@ -90,7 +91,7 @@ class PrefillRole:
         self.split_planner = split_planner
         self.observe_stage = observe_stage
         self.observe_step = observe_step
-        self.notices = RouterNotices(streamer, publish, flush_now)
+        self.notices = RouterNotices(streamer, publish, flush_now, deliver_now)
         # The switcher's way to tell a router that a queued job moved to another worker.
         self.hand_over = self.notices.hand_over
         self.queue = PrefillQueue(self._fail, expire_margin_s=expire_margin_s)

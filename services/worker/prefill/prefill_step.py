@@ -71,17 +71,20 @@ async def compute_prefix(
 
 class RouterNotices:
     """Queues a prefill job's items for its router (``publish`` asks for a flush,
-    ``flush_now`` waits for one). Holds no state of its own."""
+    ``flush_now`` waits for one, ``deliver_now`` also for the server). Holds no state of
+    its own."""
 
     def __init__(
         self,
         streamer: TokenStreamer,
         publish: Callable[[], Any],
         flush_now: Callable[[], Awaitable[None]],
+        deliver_now: Callable[[], Awaitable[None]],
     ) -> None:
         self._streamer = streamer
         self._publish = publish
         self._flush_now = flush_now
+        self._deliver_now = deliver_now
 
     async def first_token(self, job: PrefillJob, first: int | None) -> None:
         """Send the first token to the router now (TTFT); when D samples it, only the
@@ -106,12 +109,13 @@ class RouterNotices:
 
     async def hand_over(self, job: PrefillJob, to_worker_id: str, role: Role) -> None:
         """Tell the router that ``to_worker_id`` now serves the ``role`` part of ``job``.
-        Returns once the notice is on the bus: call it before that worker can stream
-        anything for the job (the router drops items from workers it was not told of)."""
+        Returns once the server has processed the notice (``deliver_now``): call it before
+        that worker can stream anything for the job (the router drops items from workers
+        it was not told of, and that worker's items travel on another connection)."""
         self._streamer.add(
             job.msg.tokens_subject, TokenItem.hand_over(job.request_id, to_worker_id, role)
         )
-        await self._flush_now()
+        await self._deliver_now()
 
     def error(self, job: PrefillJob, error: str, code: str) -> None:
         """End ``job``'s stream with an error item and ask for a flush."""

@@ -8,7 +8,8 @@ Outcomes, and what becomes of the request here:
 
 * moved: the peer verified and installed the KV -> dropped here (``DecodeRole.migrated``).
   Before the KV leaves, the router is told that the peer now decodes the request (a
-  hand-over item on the request's token stream, flushed first): the router takes a
+  hand-over item on the request's token stream, processed by the server first: the peer
+  streams over its own connection): the router takes a
   request's tokens only from workers it was told of (the peer may itself be leaving
   decode, a D->P move of several workers at once, so its role or state says nothing). A
   request that resumes here is handed back the same way;
@@ -61,10 +62,12 @@ class Migrator:
         *,
         secret: bytes,
         transfer_timeout_s: float,
-        flush_now: Callable[[], Awaitable[None]],
+        deliver_now: Callable[[], Awaitable[None]],
     ) -> None:
+        """``deliver_now`` (TokenFlusher.deliver_now) returns once a hand-over notice is
+        processed by the server: only then may the peer stream (module doc)."""
         self.worker_id = worker_id
-        self._flush_now = flush_now
+        self._deliver_now = deliver_now
         self._bus = bus
         self._subjects = subjects
         self._engine = engine
@@ -161,7 +164,7 @@ class Migrator:
                     continue
                 table = self._engine.block_manager.block_table(request_id)[: ticket.num_blocks]
                 dec.hand_over(req, peer)  # before the peer can stream anything (module doc)
-                await self._flush_now()
+                await self._deliver_now()
                 announced = True
                 try:
                     await self._sender.send(
@@ -204,7 +207,7 @@ class Migrator:
                 return True
             if announced:  # it resumes here: take it back before the next token
                 dec.hand_over(req, self.worker_id)
-                await self._flush_now()
+                await self._deliver_now()
             return False
         finally:
             if not settled:
