@@ -21,7 +21,9 @@ from shared.sampling_params import SamplingParams
 from tests.support.nats_server import NatsServer
 from tests.support.workers import BusClient, worker_pair
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+# Every async test shares the module's loop (and its cluster client); marked one by one,
+# because the hypothesis test below is sync (it drives that loop itself).
+MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +65,7 @@ async def _all_blocks_free(client: BusClient) -> None:
     )
 
 
+@MODULE_LOOP
 async def test_disaggregated_equals_generate(client: BusClient, reference: Engine) -> None:
     prompts = _prompts(8, 1, reference.model_config.vocab_size)
     want = generate(reference, prompts, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -75,6 +78,7 @@ async def test_disaggregated_equals_generate(client: BusClient, reference: Engin
     await _all_blocks_free(client)
 
 
+@MODULE_LOOP
 @pytest.mark.parametrize("beta", [0.1, 0.5, 0.9])
 async def test_split_equals_unsplit(client: BusClient, reference: Engine, beta: float) -> None:
     prompts = _prompts(3, 2, reference.model_config.vocab_size)
@@ -104,6 +108,7 @@ def test_random_split_equals_unsplit(
     assert loop.run_until_complete(run()) == want.token_ids
 
 
+@MODULE_LOOP
 async def test_seeded_sampling_matches_generate(client: BusClient, reference: Engine) -> None:
     prompt = _prompts(1, 3, reference.model_config.vocab_size)[0]
     params = SamplingParams(max_tokens=10, temperature=1.0, seed=42, ignore_eos=True)
@@ -112,6 +117,7 @@ async def test_seeded_sampling_matches_generate(client: BusClient, reference: En
     assert (await client.result(rid)).token_ids == want.token_ids
 
 
+@MODULE_LOOP
 async def test_single_worker_path(client: BusClient, reference: Engine) -> None:
     prompt = _prompts(1, 4, reference.model_config.vocab_size)[0]
     want = generate(reference, [prompt], SamplingParams(max_tokens=9, ignore_eos=True))[0]
@@ -120,6 +126,7 @@ async def test_single_worker_path(client: BusClient, reference: Engine) -> None:
     await _all_blocks_free(client)
 
 
+@MODULE_LOOP
 async def test_cancel_mid_decode_frees_blocks(client: BusClient) -> None:
     rid = await client.submit("p0", "d0", list(range(10, 40)), 900)
     await client.wait_telemetry(
@@ -137,6 +144,7 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+@MODULE_LOOP
 async def test_idle_workers_do_not_spin(client: BusClient) -> None:
     # After KV transfers (the tests above), an idle worker sleeps in epoll: ucxx's blocking
     # progress mode left unarmed kept the event loop busy (~40% of a core per worker,
