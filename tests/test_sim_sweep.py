@@ -147,3 +147,17 @@ def test_a_partial_rerun_takes_the_other_configurations_from_an_earlier_sweep(
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         sim_sweep.main([*common, "--configs", "full,bogus", "--reuse", str(first)])
+
+
+def test_a_cell_gets_only_the_reused_rows_of_its_own_trace() -> None:
+    cell = sim_sweep.Cell("azure-mixed", seed=1, offset_s=600, rps=20, tuned=False)
+    keys = [
+        ("azure-mixed", 1, 600.0, 20.0, 150),  # this cell (a 150-request truncation)
+        ("azure-mixed", 1, 600.0, 20.0, 9000),  # this cell, another truncation
+        ("azure-mixed", 2, 600.0, 20.0, 150),  # another seed
+        ("azure-mixed", 1, 0.0, 20.0, 150),  # another offset
+        ("azure-mixed", 1, 600.0, 25.0, 150),  # another rate
+        ("azure-staged", 1, 600.0, 20.0, 150),  # another workload
+    ]
+    reused = {k: {"n": i} for i, k in enumerate(keys)}
+    assert sim_sweep.reused_for(cell, reused) == {keys[0]: {"n": 0}, keys[1]: {"n": 1}}

@@ -121,6 +121,14 @@ def cell_key(row: dict[str, Any]) -> CellKey:
     )
 
 
+def reused_for(cell: Cell, reused: dict[CellKey, dict[str, Any]]) -> dict[CellKey, dict[str, Any]]:
+    """The rows of ``reused`` that can belong to ``cell`` (all but the request count match:
+    that is known once the trace is built). Handed to a pool worker instead of the whole
+    file's rows, which would be pickled once per cell."""
+    head = (cell.workload, cell.seed, float(cell.offset_s), float(cell.rps))
+    return {k: v for k, v in reused.items() if k[:4] == head}
+
+
 def load_rows(path: str) -> list[dict[str, Any]]:
     """The rows of a JSON lines --out file. Raises OSError / ValueError on a bad file."""
     lines = Path(path).read_text(encoding="utf-8").splitlines()
@@ -238,11 +246,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.jobs == 1:
         for cell in cells:
-            done(run_cell(cell, base, args.profile, args.configs, reused))
+            done(run_cell(cell, base, args.profile, args.configs, reused_for(cell, reused)))
     else:
         with ProcessPoolExecutor(max_workers=args.jobs) as pool:
             futures = [
-                pool.submit(run_cell, cell, base, args.profile, args.configs, reused)
+                pool.submit(
+                    run_cell, cell, base, args.profile, args.configs, reused_for(cell, reused)
+                )
                 for cell in cells
             ]
             for fut in futures:
