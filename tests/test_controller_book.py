@@ -4,6 +4,8 @@ on decode views only. Pure bookkeeping, no processes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from services.controller.status import WorkerBook
@@ -79,3 +81,14 @@ def test_snapshot_carries_the_decode_flow_from_the_workers_counters() -> None:
     # Off (window 0): no flow in the decision.
     off = RolePolicy(PolicyConfig(decode_flow_window_s=0.0))
     assert off.decide(book.snapshot(records, 1.2), 1.2).decode_flow is None
+
+
+def test_snapshot_carries_a_prefill_workers_latest_ppi_beside_its_window() -> None:
+    book = WorkerBook(window_s=5.0, stale_s=2.0)
+    for t, ppi in ((0.0, 1.4), (1.0, 1.2), (2.0, 0.05)):  # the queue drains
+        book.observe(replace(telemetry("p0", "prefill", running=1, waiting=0.0), ppi=ppi), t)
+    book.observe(telemetry("d0", "decode", running=3, waiting=0.0), 2.0)
+    records = [record("p0", "prefill", 8), record("d0", "decode", 48)]
+    views = {v.worker_id: v for v in book.snapshot(records, 2.5).workers}
+    assert views["p0"].ppi_now == 0.05 and views["p0"].ppi_p95 == 1.4  # eq. 20 still holds 1.4
+    assert views["d0"].ppi_now == 0.0

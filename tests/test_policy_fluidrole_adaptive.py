@@ -144,3 +144,56 @@ def test_decode_blocking_prefill_moves_by_the_decode_gap() -> None:
     d = policy.decide(cluster(ppi=3.0, load=0.9, adm=1.0, n_p=7, n_d=1), 0.0)
     assert (d.action, d.reason) == (P2D, "decode_admission_blocks_prefill")
     assert len(d.worker_ids) == 2 and d.target_role == DECODE
+
+
+def test_a_drained_prefill_queue_lets_decode_take_workers_back_despite_the_window() -> None:
+    # Eq. 20's window still holds the code stage's peak (PPI^95 1.45) while the queues have
+    # drained (latest PPI 0) and the one decode worker runs at its TPOT-safe limit.
+    def drained(ppi_now: float | None) -> ClusterSnapshot:
+        prefill = [WorkerView(f"p{i}", PREFILL, ppi_p95=1.45, ppi_now=ppi_now) for i in range(7)]
+        return ClusterSnapshot((*prefill, dw("d0", load=1.0, adm=0.1), dw("d1", load=1.0, adm=0.1)))
+
+    stale = RolePolicy(CFG).decide(drained(None), 0.0)  # not reported: the window decides
+    assert (stale.action, stale.reason) == (NONE, "both_phases_pressured")
+    d = RolePolicy(CFG).decide(drained(0.0), 0.0)
+    assert (d.action, d.reason) == (P2D, "decode_load_pressure")
+    assert d.worker_ids == ("p0",) and d.ppi_bar == 1.45  # the published PPI̅ stays eq. 20's
+    # PAPER reads eq. 20 only.
+    paper = RolePolicy(dataclasses.replace(CFG, rules=PAPER)).decide(drained(0.0), 0.0)
+    assert (paper.action, paper.reason) == (NONE, "both_phases_pressured")
+    # The latest PPI never starts a move to prefill: that still needs the windowed PPI̅.
+    spike = ClusterSnapshot(
+        tuple(WorkerView(f"p{i}", PREFILL, ppi_p95=0.1, ppi_now=3.0) for i in range(4))
+        + tuple(dw(f"d{i}", load=0.1, adm=0.1) for i in range(4))
+    )
+    assert RolePolicy(CFG).decide(spike, 0.0).action == NONE
+
+
+def test_moving_back_while_decode_binds_waits_the_shorter_reverse_wait() -> None:
+    assert (CFG.reverse_wait_s, CFG.reverse_wait_binds_s) == (8.0, 4.0)
+
+    def after_the_move(waiting: int) -> ClusterSnapshot:
+        # 5P3D after a D->P move; every decode slot is taken and `waiting` more per worker
+        # wait for admission.
+        decode = tuple(
+            WorkerView(
+                f"d{i}",
+                DECODE,
+                dpi_load=1.0,
+                dpi_adm=1.0,
+                active_decode_requests=64,
+                decode_waiting=waiting,
+                max_decode_requests=64,
+            )
+            for i in range(3)
+        )
+        return ClusterSnapshot(tuple(pw(f"p{i}", 0.1) for i in range(5)) + decode)
+
+    for waiting, first_move_s in ((20, 4.0), (0, 8.0)):  # decode binds / full but not short
+        policy = RolePolicy(CFG)
+        assert policy.decide(cluster(ppi=1.1, load=0.1, adm=0.1), 0.0).action == D2P
+        back = after_the_move(waiting)
+        moves = {t: policy.decide(back, t) for t in (2.0, 3.5, 4.0, 6.0, 7.5, 8.0)}
+        first = min(t for t, d in moves.items() if d.action == P2D)
+        assert first == first_move_s, (waiting, {t: d.reason for t, d in moves.items()})
+        assert all(moves[t].reason == "cooldown" for t in moves if t < first_move_s)

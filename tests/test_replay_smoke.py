@@ -32,6 +32,7 @@ def test_scaling_helpers_scale_every_time_coefficient_and_policy_time() -> None:
     assert (pol.ttft_ms, pol.tpot_ms) == (500.0, 25.0)
     assert pol.cooldown_s == pytest.approx(5.0) and pol.decision_interval_s == pytest.approx(0.25)
     assert pol.reverse_wait_s == pytest.approx(0.25 * PolicyConfig().reverse_wait_s)
+    assert pol.reverse_wait_binds_s == pytest.approx(0.25 * PolicyConfig().reverse_wait_binds_s)
     assert pol.settle_s == pytest.approx(0.25 * PolicyConfig().settle_s)
     assert pol.decode_flow_window_s == pytest.approx(0.25 * PolicyConfig().decode_flow_window_s)
 

@@ -74,6 +74,7 @@ def scaled_policy(
         cooldown_s=base.cooldown_s * time_scale,
         settle_s=base.settle_s * time_scale,
         reverse_wait_s=base.reverse_wait_s * time_scale,
+        reverse_wait_binds_s=base.reverse_wait_binds_s * time_scale,
         decode_flow_window_s=base.decode_flow_window_s * time_scale,
     )
 

@@ -109,6 +109,7 @@ class WorkerBook:
                     ppi_p95=(self._ppi.p95(rec.worker_id, now_s) or 0.0)
                     if role == PREFILL
                     else 0.0,
+                    ppi_now=tel.ppi if role == PREFILL else 0.0,
                     dpi_load=tel.dpi_load,
                     dpi_adm=tel.dpi_adm,
                     active_decode_requests=tel.running,

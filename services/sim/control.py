@@ -90,6 +90,7 @@ class ControlPlane:
                     role=w.role,
                     state=w.state,
                     ppi_p95=(self.ppi_windows.p95(w.wid, now) or 0.0) if w.role == PREFILL else 0.0,
+                    ppi_now=w.ppi if w.role == PREFILL else 0.0,
                     dpi_load=w.dpi_load,
                     dpi_adm=w.dpi_adm,
                     active_decode_requests=w.running_tel,

@@ -26,6 +26,9 @@ class WorkerView:
     role: str  # PREFILL | DECODE (the role it serves now, or is leaving while draining)
     state: str = ACTIVE  # ACTIVE | DRAIN | SWITCH
     ppi_p95: float = 0.0  # prefill: PPI^95(p) over the window (eq. 20)
+    # prefill: its latest PPI sample (eq. 3–5), the queue as it is now; None = not reported
+    # (read as ppi_p95).
+    ppi_now: float | None = None
     dpi_load: float = 0.0  # decode: eq. 7
     dpi_adm: float = 0.0  # decode: eq. 8
     active_decode_requests: int = 0  # decode: D→P drain proxy
@@ -60,6 +63,19 @@ def aggregate_pressure(workers: Sequence[WorkerView]) -> tuple[float, float, flo
             load_sum += w.dpi_load
             adm_sum += w.dpi_adm
     return (ppi_bar, load_sum / n_d if n_d else 0.0, adm_sum / n_d if n_d else 0.0, n_p, n_d)
+
+
+def prefill_ppi_now(workers: Sequence[WorkerView]) -> float:
+    """max over Active prefill workers of their latest PPI sample (its windowed PPI^95 where
+    none is reported; 0 when no prefill worker is Active): PPI̅ without eq. 20's window."""
+    return max(
+        (
+            w.ppi_p95 if w.ppi_now is None else w.ppi_now
+            for w in workers
+            if w.state == ACTIVE and w.role == PREFILL
+        ),
+        default=0.0,
+    )
 
 
 def decode_demand(workers: Sequence[WorkerView]) -> DecodeDemand:

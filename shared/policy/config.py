@@ -65,6 +65,11 @@ class PolicyConfig:
     # at DPI_load 1.0 for 11 s of a 20 s cooldown), while settle_s + n_persist intervals
     # already separate any two moves.
     reverse_wait_s: float = 8.0
+    # ADAPTIVE only: the reverse wait of a P->D move while decode binds (its backlog, or
+    # where the decode flow settles, exceeds every decode slot): the router is then shedding
+    # on the decode backlog, and each second of waiting sheds a second of arrivals
+    # (1,500-request azure-staged at 35 rps: 181 requests in 7 s after a late D->P move).
+    reverse_wait_binds_s: float = 4.0
     max_move_workers: int = 3
     # ADAPTIVE only (shared/policy/fluidrole_sizing.py). A D->P move must leave the decode
     # side's predicted DPI_load below DPI_load^high minus this margin, and the decode backlog
@@ -128,6 +133,7 @@ class PolicyConfig:
             "cooldown_s",
             "settle_s",
             "reverse_wait_s",
+            "reverse_wait_binds_s",
             "budget_context_tokens",
             "decode_flow_window_s",
         ):

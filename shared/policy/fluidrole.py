@@ -17,7 +17,8 @@ Rules, in the order they are checked:
 3. PAPER: within T_cooldown of the last switch → no switch. ADAPTIVE: a move the same way
    as the last one waits ``settle_s`` after the last moment a worker was seen in transit
    (its effect must first show in the windowed signals); a move against the last one waits
-   ``reverse_wait_s`` from then (oscillation guard).
+   ``reverse_wait_s`` from then (oscillation guard), ``reverse_wait_binds_s`` for a P→D
+   move while decode binds (the router sheds on the decode backlog meanwhile).
    In 1–3 the persistence counter is reset, so a switch needs N_persist fresh intervals
    after the cooldown (signals measured mid-transition do not count).
 4. aggregates over Active workers only: PPI̅ = max_p PPI^95(p) (eq. 20); DPI̅_load, DPI̅_adm =
@@ -35,7 +36,11 @@ Rules, in the order they are checked:
    guard, a saturated decode admission (DPI̅_adm >= DPI_adm^blocking) under prefill
    pressure recommends P→D (``decode_admission_blocks_prefill``), and so does a decode
    batch near its TPOT-safe size (DPI̅_load > ``p2d_load_trigger``) while PPI̅ < PPI_low
-   (``decode_load_pressure``: DPI_adm only rises once the slots are full).
+   (``decode_load_pressure``: DPI_adm only rises once the slots are full). Where the rules
+   recommend nothing, ADAPTIVE asks them again with PPI̅ as it is now (``prefill_ppi_now``:
+   the prefill workers' latest PPI) and takes a P→D answer: eq. 20's window keeps a
+   drained queue's peak for ``window_s``, which reads as ``both_phases_pressured`` while
+   the decode side sheds. D→P still needs the windowed PPI̅.
 6. the same recommendation must hold for N_persist consecutive intervals.
 7. never empty a role: the source role needs >= 2 Active workers (and keeps >= 1).
 8. PAPER moves one worker, ADAPTIVE ``move_size`` workers (possibly none: D→P
@@ -63,6 +68,7 @@ from shared.policy.cluster_view import aggregate_pressure as aggregate_pressure
 from shared.policy.cluster_view import decode_demand as decode_demand
 from shared.policy.cluster_view import pick_candidates as pick_candidates
 from shared.policy.cluster_view import prefill_busy_mean as prefill_busy_mean
+from shared.policy.cluster_view import prefill_ppi_now as prefill_ppi_now
 from shared.policy.config import PAPER, PolicyConfig
 from shared.policy.decode_flow import DecodeFlow, DecodeFlowMeter
 
@@ -71,7 +77,7 @@ from shared.policy.fluidrole_rules import D2P as D2P
 from shared.policy.fluidrole_rules import NONE as NONE
 from shared.policy.fluidrole_rules import P2D as P2D
 from shared.policy.fluidrole_rules import recommend as recommend
-from shared.policy.fluidrole_sizing import move_size
+from shared.policy.fluidrole_sizing import DecodeDemand, move_size
 
 # The vocabulary is roles.py's; these names stay importable from here for the policy's users.
 from shared.policy.roles import ACTIVE, DECODE, PREFILL
@@ -132,6 +138,14 @@ class RolePolicy:
         if cfg.rules != PAPER and cfg.decode_flow_window_s > 0:
             self._flow = DecodeFlowMeter(cfg.decode_flow_window_s)
 
+    def _reverse_wait_s(self, rec: str, demand: DecodeDemand, n_decode: int) -> float:
+        """The oscillation guard's wait for a move against the last one (ADAPTIVE): the
+        shorter ``reverse_wait_binds_s`` for P->D while decode binds (``demand`` needs more
+        decode workers than the ``n_decode`` Active ones even with every slot full)."""
+        if rec == P2D and demand.workers_needed(1.0) > n_decode:
+            return min(self.cfg.reverse_wait_s, self.cfg.reverse_wait_binds_s)
+        return self.cfg.reverse_wait_s
+
     def smoothed_adm(self, adm_now: float, now_s: float) -> float:
         """Record this decision's DPI̅_adm and return the value FluidRole reads (rule 4):
         the instantaneous one under PAPER or ``adm_smoothing_q`` 0, else that percentile of
@@ -164,6 +178,17 @@ class RolePolicy:
         adm_bar = self.smoothed_adm(adm_now, now_s)
         adm_d2p = max(adm_bar, adm_now)  # the D->P guard also heeds a fresh spike
         rec, reason = recommend(ppi_bar, load_bar, adm_bar, cfg, adm_guard_value=adm_d2p)
+        ppi_now = prefill_ppi_now(workers)
+        if cfg.rules != PAPER and rec == NONE and ppi_now < ppi_bar:
+            # Eq. 20's window keeps a drained queue's peak for window_s, and read that way
+            # prefill looks pressured (both_phases_pressured, prefill_not_idle) while the
+            # decode side it starved sheds. A move back to decode reads prefill as it is now;
+            # a move to prefill still needs the windowed value (spikes are filtered there).
+            rec_now, reason_now = recommend(
+                ppi_now, load_bar, adm_bar, cfg, adm_guard_value=adm_d2p
+            )
+            if rec_now == P2D:
+                rec, reason = rec_now, reason_now
 
         def out(action: str, why: str, movers: Sequence[WorkerView] = ()) -> Decision:
             target = None
@@ -200,7 +225,7 @@ class RolePolicy:
             elif rec != NONE and rec == self.last_action:
                 if since_s < cfg.settle_s:
                     gate = "settling"
-            elif rec != NONE and since_s < cfg.reverse_wait_s:
+            elif rec != NONE and since_s < self._reverse_wait_s(rec, demand, n_d):
                 gate = "cooldown"
         if gate is not None or rec == NONE:
             self._pending, self._count = NONE, 0
