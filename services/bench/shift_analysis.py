@@ -17,7 +17,13 @@ from shared.policy.roles import ACTIVE, DRAIN, SWITCH
 def recommendation(inputs: dict[str, float], cfg: PolicyConfig) -> str:
     """What eq. 22/23 (with the product's extensions) recommend on a decision's published
     inputs: D2P, P2D or "none". Gates (cooldown, persistence, one at a time) not applied."""
-    return recommend(inputs["ppi_bar"], inputs["dpi_load_bar"], inputs["dpi_adm_bar"], cfg)[0]
+    return recommend(
+        inputs["ppi_bar"],
+        inputs["dpi_load_bar"],
+        inputs["dpi_adm_bar"],
+        cfg,
+        ppi_now=inputs.get("ppi_now"),
+    )[0]
 
 
 def _switch_row(obs: Observer, k: int, cfg: PolicyConfig) -> dict[str, Any]:

@@ -110,22 +110,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 CellKey = tuple[str, int, float, float, int]
 
 
+def _trace_head(
+    workload: str, seed: int, offset_s: float, rps: float
+) -> tuple[str, int, float, float]:
+    """A cell's trace before its request count is known (the first four of a CellKey)."""
+    return (workload, int(seed), float(offset_s), float(rps))
+
+
 def cell_key(row: dict[str, Any]) -> CellKey:
     """What identifies a cell's trace in an --out row."""
-    return (
-        row["workload"],
-        int(row["seed"]),
-        float(row["offset_s"]),
-        float(row["rps"]),
-        int(row["requests"]),
-    )
+    head = _trace_head(row["workload"], row["seed"], row["offset_s"], row["rps"])
+    return (*head, int(row["requests"]))
 
 
 def reused_for(cell: Cell, reused: dict[CellKey, dict[str, Any]]) -> dict[CellKey, dict[str, Any]]:
     """The rows of ``reused`` that can belong to ``cell`` (all but the request count match:
     that is known once the trace is built). Handed to a pool worker instead of the whole
     file's rows, which would be pickled once per cell."""
-    head = (cell.workload, cell.seed, float(cell.offset_s), float(cell.rps))
+    head = _trace_head(cell.workload, cell.seed, cell.offset_s, cell.rps)
     return {k: v for k, v in reused.items() if k[:4] == head}
 
 

@@ -215,6 +215,8 @@ class Controller(Service):
             "workers": float(len(snapshot.workers)),
             "move_workers": float(len(decision.worker_ids)),
         }
+        if decision.ppi_now is not None:  # PPI̅ as it is now (a P→D recommendation reads it)
+            inputs["ppi_now"] = decision.ppi_now
         if decision.decode_flow is not None:  # FluidRole's decode flow forecast (sizing)
             flow = decision.decode_flow
             inputs["decode_flow_entered"] = flow.entered

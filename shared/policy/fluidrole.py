@@ -37,10 +37,9 @@ Rules, in the order they are checked:
    pressure recommends P→D (``decode_admission_blocks_prefill``), and so does a decode
    batch near its TPOT-safe size (DPI̅_load > ``p2d_load_trigger``) while PPI̅ < PPI_low
    (``decode_load_pressure``: DPI_adm only rises once the slots are full). Where the rules
-   recommend nothing, ADAPTIVE asks them again with PPI̅ as it is now (``prefill_ppi_now``:
-   the prefill workers' latest PPI) and takes a P→D answer: eq. 20's window keeps a
-   drained queue's peak for ``window_s``, which reads as ``both_phases_pressured`` while
-   the decode side sheds. D→P still needs the windowed PPI̅.
+   recommend nothing, ADAPTIVE reads them again with PPI̅ as it is now (``prefill_ppi_now``:
+   the prefill workers' latest PPI) and takes a P→D answer (eq. 20's window keeps a
+   drained queue's peak for ``window_s``); D→P still needs the windowed PPI̅.
 6. the same recommendation must hold for N_persist consecutive intervals.
 7. never empty a role: the source role needs >= 2 Active workers (and keeps >= 1).
 8. PAPER moves one worker, ADAPTIVE ``move_size`` workers (possibly none: D→P
@@ -109,6 +108,8 @@ class Decision:
     worker_ids: tuple[str, ...] = ()
     # The decode flow the sizing read (decode_flow.py); None when the policy keeps none.
     decode_flow: DecodeFlow | None = None
+    # PPI̅ as it is now (cluster_view.prefill_ppi_now), which a P→D recommendation may read.
+    ppi_now: float | None = None
 
     @property
     def switches(self) -> bool:
@@ -142,7 +143,7 @@ class RolePolicy:
         """The oscillation guard's wait for a move against the last one (ADAPTIVE): the
         shorter ``reverse_wait_binds_s`` for P->D while decode binds (``demand`` needs more
         decode workers than the ``n_decode`` Active ones even with every slot full)."""
-        if rec == P2D and demand.workers_needed(1.0) > n_decode:
+        if rec == P2D and demand.binds(n_decode):
             return min(self.cfg.reverse_wait_s, self.cfg.reverse_wait_binds_s)
         return self.cfg.reverse_wait_s
 
@@ -177,18 +178,10 @@ class RolePolicy:
         ppi_bar, load_bar, adm_now, n_p, n_d = aggregate_pressure(workers)
         adm_bar = self.smoothed_adm(adm_now, now_s)
         adm_d2p = max(adm_bar, adm_now)  # the D->P guard also heeds a fresh spike
-        rec, reason = recommend(ppi_bar, load_bar, adm_bar, cfg, adm_guard_value=adm_d2p)
         ppi_now = prefill_ppi_now(workers)
-        if cfg.rules != PAPER and rec == NONE and ppi_now < ppi_bar:
-            # Eq. 20's window keeps a drained queue's peak for window_s, and read that way
-            # prefill looks pressured (both_phases_pressured, prefill_not_idle) while the
-            # decode side it starved sheds. A move back to decode reads prefill as it is now;
-            # a move to prefill still needs the windowed value (spikes are filtered there).
-            rec_now, reason_now = recommend(
-                ppi_now, load_bar, adm_bar, cfg, adm_guard_value=adm_d2p
-            )
-            if rec_now == P2D:
-                rec, reason = rec_now, reason_now
+        rec, reason = recommend(
+            ppi_bar, load_bar, adm_bar, cfg, adm_guard_value=adm_d2p, ppi_now=ppi_now
+        )
 
         def out(action: str, why: str, movers: Sequence[WorkerView] = ()) -> Decision:
             target = None
@@ -209,6 +202,7 @@ class RolePolicy:
                 active_decode=n_d,
                 worker_ids=tuple(w.worker_id for w in movers),
                 decode_flow=flow,
+                ppi_now=ppi_now,
             )
 
         gate = None

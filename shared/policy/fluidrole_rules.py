@@ -16,9 +16,16 @@ def recommend(
     cfg: PolicyConfig,
     *,
     adm_guard_value: float | None = None,
+    ppi_now: float | None = None,
 ) -> tuple[str, str]:
     """Eq. 22–23 plus the both-pressured rule: (recommendation, reason). ADAPTIVE's D→P
-    admission guard compares ``adm_guard_value`` (default: ``dpi_adm_bar``)."""
+    admission guard compares ``adm_guard_value`` (default: ``dpi_adm_bar``). ADAPTIVE only:
+    where the windowed PPI̅ gives no recommendation, the rules are read again with
+    ``ppi_now`` (PPI̅ as it is now, the prefill workers' latest PPI; None = not known) and
+    a P→D answer is taken: eq. 20's window keeps a drained queue's peak for window_s, which
+    reads as ``both_phases_pressured`` / ``prefill_not_idle`` while the decode side it
+    starved sheds. A move to prefill still needs the windowed value (spikes are filtered
+    there)."""
     if cfg.rules == PAPER:  # the paper, literally
         if ppi_bar > cfg.ppi_high and dpi_load_bar < cfg.dpi_load_high:
             return D2P, "eq22_prefill_pressure"
@@ -30,6 +37,18 @@ def recommend(
             return NONE, "prefill_not_idle"
         return NONE, "balanced"
     guard_adm = dpi_adm_bar if adm_guard_value is None else adm_guard_value
+    rec = _adaptive(ppi_bar, dpi_load_bar, dpi_adm_bar, guard_adm, cfg)
+    if rec[0] == NONE and ppi_now is not None and ppi_now < ppi_bar:
+        rec_now = _adaptive(ppi_now, dpi_load_bar, dpi_adm_bar, guard_adm, cfg)
+        if rec_now[0] == P2D:
+            return rec_now
+    return rec
+
+
+def _adaptive(
+    ppi_bar: float, dpi_load_bar: float, dpi_adm_bar: float, guard_adm: float, cfg: PolicyConfig
+) -> tuple[str, str]:
+    """ADAPTIVE's rules on one reading of PPI̅ (see ``recommend``)."""
     # Extension: the decode batch nears its TPOT-safe size while admission may still have
     # room (DPI_adm only rises once the slots are full, after TPOT is already missed).
     load_pressed = 0 < cfg.p2d_load_trigger < dpi_load_bar

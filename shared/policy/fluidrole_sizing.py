@@ -76,6 +76,11 @@ class DecodeDemand:
         load = max(float(self.requests), self.forecast_requests * flow_scale)
         return math.ceil(load / (self.slots_per_worker * fill_target) - 1e-9)
 
+    def binds(self, n_decode: int) -> bool:
+        """Decode is what binds: the backlog (or its forecast) needs more than ``n_decode``
+        workers even with every slot full (False when the slots are unknown)."""
+        return self.workers_needed(1.0) > n_decode
+
 
 def adm_guard(cfg: PolicyConfig) -> float:
     """DPI̅_adm above which no decode worker is taken away (between DPI_adm^high and the
@@ -148,7 +153,7 @@ def move_size(
         k_busy = cap
         if cfg.p2d_busy_bound > 0:
             k_busy = _largest_k(n_prefill, prefill_busy, cfg.p2d_busy_bound, cap)
-            if k_busy == 0 and demand.workers_needed(1.0) > n_decode:
+            if k_busy == 0 and demand.binds(n_decode):
                 # Both phases are short, but decode binds: its backlog (or where the flow
                 # settles) exceeds every decode slot, so computed prompts wait for decode
                 # and prefill's busy time is partly wasted. One worker goes, not the gap.
