@@ -19,14 +19,18 @@ from services.router.admission import AdmissionGate, Overloaded
 from services.router.config import STREAM_HOLD_AUTO_MARGIN_S, RouterConfig
 from services.router.errors import end_to_error
 from services.router.streams import StreamEnd
-from services.sim.config import SimConfig
+from services.sim.config import SimConfig, config_for
 from services.worker.config import WorkerConfig
 from services.worker.decode.decode_waiting import WaitingAdmissions, WaitingTotals
 from services.worker.decode_choice import DecodeView, pick_with_capacity
 from services.worker.main import main as worker_main
 from shared.engine.profiles import load_profile
 from shared.messages import Role, WorkerRecord, WorkerTelemetry
-from shared.policy.admission import DEFAULT_EXPIRE_MARGIN_S, SheddingConfig
+from shared.policy.admission import (
+    DEFAULT_EXPIRE_MARGIN_S,
+    PAPER_ABORT_AFTER_S,
+    SheddingConfig,
+)
 from tests.support.worker_messages import worker_record, worker_telemetry
 
 PROFILE = load_profile("")  # T_pre(L) = 93.5 us * L + 15 ms
@@ -315,3 +319,36 @@ def test_replay_cluster_defaults_match_the_simulator_shedding(tmp_path: Path) ->
     assert margin_s == sim.expire_margin_s * 2.0
     assert float(router[router.index("--shed-ttft-multiple") + 1]) == sim.ttft_multiple
     assert float(router[router.index("--shed-decode-backlog") + 1]) == sim.decode_backlog_batches
+
+
+def test_replay_static_paper_is_the_papers_baseline_whatever_the_shedding_flags(
+    tmp_path: Path,
+) -> None:
+    """`static-paper` runs the paper's SGLang-like baseline (no door, queued work aborted 60 s
+    trace time after arrival, round robin, no FluidToken/FluidRole) even when the spec's
+    shedding fields say otherwise, and matches the simulator's configuration of that name."""
+    spec = RunSpec(
+        "static-paper",
+        time_scale=2.0,
+        slo_ttft_ms=2000.0,
+        shed_ttft_multiple=3.0,
+        shed_decode_backlog=1.0,
+        expire_margin_s=10.0,
+        out_dir=tmp_path,
+    )
+    cs = cluster_spec(spec)
+    workers, router = cs.worker_args, cs.router_args
+    sim = config_for("static-paper", SimConfig(workers=8)).shedding
+    assert sim.expire_margin_s is not None
+    margin_s = float(workers[workers.index("--expire-margin-s") + 1])
+    assert margin_s == (PAPER_ABORT_AFTER_S - 2.0) * 2.0 == sim.expire_margin_s * 2.0
+    assert float(router[router.index("--shed-ttft-multiple") + 1]) == sim.ttft_multiple == 0.0
+    assert float(router[router.index("--shed-decode-backlog") + 1]) == 0.0
+    assert router[router.index("--pairing") + 1] == "round_robin"
+    assert "--no-fluidtoken" in workers and not cs.auto_policy
+    hold_s = float(router[router.index("--stream-header-hold-s") + 1])
+    assert hold_s > PAPER_ABORT_AFTER_S * 2.0  # a 60 s abort is a 503, not an in-band error
+    # The other configurations keep the spec's own fields.
+    full = cluster_spec(dataclasses.replace(spec, config="full")).router_args
+    assert float(full[full.index("--shed-ttft-multiple") + 1]) == 3.0
+    assert "--pairing" not in full

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import plots, replay
+from services.bench import crosscheck, plots, replay
 from shared.engine.profiles import load_profile
 from shared.policy.config import PolicyConfig
 
@@ -35,6 +35,26 @@ def test_scaling_helpers_scale_every_time_coefficient_and_policy_time() -> None:
     assert pol.reverse_wait_binds_s == pytest.approx(0.25 * PolicyConfig().reverse_wait_binds_s)
     assert pol.settle_s == pytest.approx(0.25 * PolicyConfig().settle_s)
     assert pol.decode_flow_window_s == pytest.approx(0.25 * PolicyConfig().decode_flow_window_s)
+
+
+def test_static_paper_is_a_replay_and_crosscheck_configuration() -> None:
+    assert "static-paper" in replay.configs_of("all")
+    assert crosscheck.parse_points("static-paper:25,full:25") == [
+        ("static-paper", 25.0),
+        ("full", 25.0),
+    ]
+    with pytest.raises(SystemExit):
+        crosscheck.parse_points("static-papr:25")
+    results = {
+        "full": {"25": {"joint_attainment": 0.9}, "30": {"joint_attainment": 0.5}},
+        "static-paper": {"25": {"joint_attainment": 0.55}},
+        "static": {"30": {"joint_attainment": 0.45}},
+    }
+    assert replay.comparisons(results) == {
+        "25": {"full_minus_static_paper_pp": 35.0},
+        "30": {"full_minus_static_pp": 5.0},
+    }
+    assert replay.comparisons({"static": results["static"]}) == {}  # no full: nothing
 
 
 def test_replay_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,6 +103,10 @@ def test_replay_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     # static never switches and never steals: its flags reached the workers and controller.
     static = summary["results"]["static"]["12"]
     assert static["switches"] == 0 and static["stolen_tokens"] == 0
+    gap_pp = 100 * (
+        summary["results"]["full"]["12"]["joint_attainment"] - static["joint_attainment"]
+    )
+    assert summary["comparisons"]["12"] == {"full_minus_static_pp": round(gap_pp, 1)}
     # The figures can be drawn from what the bench wrote.
     (tmp_path / "s.json").write_text(last)
     fig9, fig10 = tmp_path / "fig9.png", tmp_path / "fig10.png"

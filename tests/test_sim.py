@@ -121,7 +121,7 @@ def test_fluidrole_does_not_churn_under_a_steady_mix() -> None:
     assert res.attainment(SLO_TTFT_S, SLO_TPOT_S)["joint_attainment"] > 0.99
 
 
-@pytest.mark.parametrize("name", ["static", "token", "role", "full"])
+@pytest.mark.parametrize("name", ["static", "token", "role", "full", "static-paper"])
 def test_conservation_every_request_completes_once(name: str) -> None:
     trace = build_workload("azure-staged", rps=25, requests=3000)
     cfg = config_for(name, SimConfig(migrate_on_drain=True))

@@ -7,9 +7,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
+
 from services.sim import SimConfig, Simulation, config_for
+from services.sim.config import SimConfigError
 from shared.engine.profiles import load_profile
-from shared.policy.admission import DEFAULT_DECODE_BACKLOG_BATCHES, SheddingConfig
+from shared.policy.admission import (
+    DEFAULT_DECODE_BACKLOG_BATCHES,
+    PAPER_ABORT_AFTER_S,
+    SheddingConfig,
+)
 from shared.policy.pressure import admission_kv_tokens
 from shared.trace_request import TraceRequest
 
@@ -93,3 +100,23 @@ def test_simulated_reservation_is_the_workers_formula() -> None:
         )
         assert r.blocks == -(-kv // cfg.block_size)
     assert sim.reqs[0].blocks == -(-(3000 + 256) // 16)  # horizon 256, not the whole output
+
+
+def test_static_paper_has_no_door_and_drops_queued_work_60s_after_arrival() -> None:
+    """The paper's baseline: static 4P4D round robin, nothing shed at the door, and a request
+    still queued 60 s after it arrived aborted (its deadline 2 s + a 58 s margin)."""
+    cfg = config_for("static-paper", SimConfig(workers=2))
+    assert (cfg.fluidtoken, cfg.fluidrole, cfg.pairing) == (False, False, "round_robin")
+    assert not cfg.shedding.sheds and cfg.shedding.decode_backlog_batches == 0.0
+    assert cfg.shedding.expire_margin_s == pytest.approx(PAPER_ABORT_AFTER_S - TTFT_S)
+    assert cfg.queue_timeout_s == 0.0  # one abort rule, not two
+    sim = Simulation(flood(n=160), cfg, PROFILE)
+    s = sim.run().summary(TTFT_S, TPOT_S)
+    t_pre = PROFILE.prefill_time_s(6000)
+    started = 160 - s["expired"]
+    assert abs(started - (math.ceil(PAPER_ABORT_AFTER_S / t_pre) + 1)) <= 1
+    assert s["rejected"] == 0 and s["failed"] == 0
+    # An SLO the 60 s abort cannot sit behind is a configuration error, not a silent clamp.
+    strict = dataclasses.replace(SimConfig().policy, ttft_ms=61_000.0)
+    with pytest.raises(SimConfigError):
+        config_for("static-paper", SimConfig(policy=strict))

@@ -46,6 +46,17 @@ def test_summary_splits_tuned_and_held_out() -> None:
     assert cell["all"]["full_minus_oracle_pp"] == {"min": -7.0, "median": 1.0}
     assert cell["held_out"]["cells"] == 2
     assert cell["all"]["full_minus_static_pp"]["median"] == pytest.approx(78.0)
+    assert "full_minus_static_paper_pp" not in cell["all"]  # rows from before it existed
+
+
+def test_summary_counts_the_cells_30pp_above_the_papers_baseline() -> None:
+    rows = [dict(row(0.99, 0.97), **{"static-paper": {"joint": x}}) for x in (0.60, 0.70, 0.68)]
+    cell = sim_sweep.summarize(rows)["by_rps"]["azure-staged"]["30"]["all"]
+    assert cell["full_minus_static_paper_pp"] == {"min": 29.0, "median": 31.0}
+    assert cell["cells_full_ge_static_paper_plus_30pp"] == 2
+    # One cell without the baseline: the group reports nothing rather than a partial figure.
+    cell = sim_sweep.summarize([*rows, row(0.99, 0.97)])["by_rps"]["azure-staged"]["30"]["all"]
+    assert "full_minus_static_paper_pp" not in cell
 
 
 def test_empty_goal_group_holds_none() -> None:
@@ -106,6 +117,7 @@ def test_tiny_sweep_end_to_end(capsys: pytest.CaptureFixture[str]) -> None:
         "full_minus_oracle_pp",
         "full_minus_static_pp",
         "full_minus_static_pressure_pp",
+        "full_minus_static_paper_pp",
     }
 
 
@@ -131,6 +143,7 @@ def test_a_partial_rerun_takes_the_other_configurations_from_an_earlier_sweep(
     (row_a,) = sim_sweep.load_rows(str(first))
     edited = dict(row_a, full={**row_a["full"], "joint": -1.0})
     edited["oracle"] = {**row_a["oracle"], "joint": 0.123}
+    del edited["static-paper"]  # a row written before static-paper existed: it runs
     first.write_text(json.dumps(edited) + "\n", encoding="utf-8")
     args = [*common, "--configs", "full", "--reuse", str(first), "--out", str(second)]
     assert sim_sweep.main(args) == 0
@@ -139,6 +152,7 @@ def test_a_partial_rerun_takes_the_other_configurations_from_an_earlier_sweep(
     assert row_b["oracle"]["joint"] == 0.123  # copied, not run
     for name in ("static", "static-pressure"):
         assert row_b[name] == row_a[name]
+    assert row_b["static-paper"]["joint"] == row_a["static-paper"]["joint"]  # re-run
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["ran"] == ["full"] and summary["reused_from"] == str(first)
     # A subset of configurations without a file to take the rest from is a usage error.

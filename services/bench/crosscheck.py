@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.replay import plan_of, scaled_policy, scaled_profile
-from services.bench.replay_run import RunSpec, run_once
+from services.bench.replay_run import FLUIDTOKEN, RunSpec, run_once
 from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, workload_from_args
 from services.sim.config import SimConfig
 from services.sim.run import run_config
@@ -38,7 +38,7 @@ def parse_points(text: str) -> list[tuple[str, float]]:
     out = []
     for item in text.split(","):
         cfg, _, rps = item.strip().partition(":")
-        if cfg not in ("static", "static-pressure", "token", "role", "full") or not rps:
+        if cfg not in FLUIDTOKEN or not rps:
             raise SystemExit(f"bad point {item!r}: want CONFIG:RPS, e.g. static:10")
         out.append((cfg, float(rps)))
     return out

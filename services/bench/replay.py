@@ -3,8 +3,11 @@ API (streaming), per configuration and request rate, on a fresh local cluster ea
 
 Configurations (FluidPD paper §V): ``static`` = 4P4D, round-robin pairing, no FluidToken,
 no FluidRole; ``token`` = FluidToken only (pressure pairing); ``role`` = FluidRole only;
-``full`` = both; ``static-pressure`` = static with pressure pairing; ``oracle`` = every window of the workload run on its own under each static
-split (``--oracle-splits``, default all 1P7D..7P1D) keeping the best per window.
+``full`` = both; ``static-pressure`` = static with pressure pairing; ``static-paper`` = the
+paper's own baseline (static, no door, queued work dropped 60 s trace time after arrival;
+the ``--shed-*`` / ``--expire-margin-s`` flags do not apply to it); ``oracle`` = every window
+of the workload run on its own under each static split (``--oracle-splits``, default all
+1P7D..7P1D) keeping the best per window.
 
 Time compression (``--time-scale s``): arrivals × s, SLOs × s, and every time coefficient of
 the latency profile × s — the workers get a uniformly scaled copy of the profile (what the
@@ -20,7 +23,8 @@ prints one JSON object as the LAST stdout line (``results[config][rps]`` with
 ``ttft_attainment``, ``tpot_attainment``, ``joint_attainment``, counts, ``errors`` — of
 which ``rejected`` (503 before any 200: shed or dropped past the deadline; not attained) and
 ``failed_after_accept`` (an error after a 200), each with its fraction — and a
-``loadgen_bottleneck`` section). With ``--url`` it replays against an existing router once
+``loadgen_bottleneck`` section; ``comparisons[rps]`` holds ``full_minus_<baseline>_pp`` for
+each static baseline that ran beside ``full``). With ``--url`` it replays against an existing router once
 (label ``external``) and starts nothing.
 """
 
@@ -48,7 +52,8 @@ from shared.policy.config import ADAPTIVE, PAPER, RULE_SETS, PolicyConfig
 from shared.policy.errors import PolicyConfigError
 from shared.policy.predictors import LatencyProfile
 
-CONFIGS = ("static", "static-pressure", "token", "role", "full", "oracle")
+CONFIGS = ("static", "static-pressure", "static-paper", "token", "role", "full", "oracle")
+BASELINES = ("static", "static-pressure", "static-paper", "oracle")
 
 
 def scaled_profile(profile: LatencyProfile, time_scale: float) -> LatencyProfile:
@@ -209,6 +214,19 @@ def _stitch(
     }
 
 
+def comparisons(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per rps, ``full`` − each baseline that ran at that rps, in pp of joint attainment."""
+    out: dict[str, dict[str, float]] = {}
+    for rps, row in results.get("full", {}).items():
+        for name in BASELINES:
+            other = results.get(name, {}).get(rps)
+            if other is not None:
+                key = f"full_minus_{name.replace('-', '_')}_pp"
+                gap_pp = 100.0 * (row["joint_attainment"] - other["joint_attainment"])
+                out.setdefault(rps, {})[key] = round(gap_pp, 1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fluidpd-replay-"))
@@ -276,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "out": str(out_dir),
         "policy_config": policy.to_dict(),
         "results": results,
+        "comparisons": comparisons(results),
     }
     print(json.dumps(summary))
     return 0

@@ -5,7 +5,9 @@ Configurations → cluster (mirrors the simulator's ``config_for``): ``static`` 
 ``--pairing round_robin``, workers ``--no-fluidtoken``, controller ``--no-auto``; ``token`` —
 pressure pairing, FluidToken on, ``--no-auto``; ``role`` — pressure pairing, workers
 ``--no-fluidtoken``, controller ``--auto``; ``full`` — FluidToken on and ``--auto``;
-``static-pressure`` — like static but pressure pairing (pairing's share of the gain).
+``static-pressure`` — like static but pressure pairing (pairing's share of the gain);
+``static-paper`` — the paper's own baseline: static with no door (router shedding off) and
+queued work dropped 60 s (trace time) after arrival, whatever the spec's shedding fields say.
 With ``paper_rules`` the workers also drain by waiting (``--no-migrate``, the paper's D→P).
 """
 
@@ -35,16 +37,19 @@ from shared.policy.admission import (
     DEFAULT_EXPIRE_MARGIN_S,
     DEFAULT_TTFT_MULTIPLE,
     STREAM_HOLD_SLACK_S,
+    paper_baseline_shedding,
 )
 
 FLUIDTOKEN = {
     "static": False,
     "static-pressure": False,
+    "static-paper": False,
     "token": True,
     "role": False,
     "full": True,
 }
-FLUIDROLE = {"static": False, "static-pressure": False, "token": False, "role": True, "full": True}
+FLUIDROLE = {**{name: False for name in FLUIDTOKEN}, "role": True, "full": True}
+ROUND_ROBIN = ("static", "static-paper")
 
 
 @dataclass(frozen=True)
@@ -96,20 +101,21 @@ def cluster_spec(spec: RunSpec) -> ClusterSpec:
     worker_args: tuple[str, ...] = ("--max-num-seqs", str(spec.max_num_seqs))
     if not FLUIDTOKEN[spec.config]:
         worker_args += ("--no-fluidtoken",)
-    margin = spec.expire_margin_s * spec.time_scale if spec.expire_margin_s >= 0 else -1.0
+    ttft_multiple, decode_backlog, margin_trace_s = _shedding(spec)
+    margin = margin_trace_s * spec.time_scale if margin_trace_s >= 0 else -1.0
     worker_args += ("--expire-margin-s", f"{margin:g}")
     if spec.paper_rules:
         worker_args += ("--no-migrate",)
     router_args: tuple[str, ...] = ("--ttft-slo-ms", f"{spec.slo_ttft_ms * spec.time_scale:g}")
-    router_args += ("--shed-ttft-multiple", f"{spec.shed_ttft_multiple:g}")
-    router_args += ("--shed-decode-backlog", f"{spec.shed_decode_backlog:g}")
+    router_args += ("--shed-ttft-multiple", f"{ttft_multiple:g}")
+    router_args += ("--shed-decode-backlog", f"{decode_backlog:g}")
     if margin >= 0:
         # A stream's headers wait past the (scaled) expiry, so a drop is a 503 (rejected),
         # not an in-band error: the router's automatic hold assumes the default margin. The
         # slack beyond it is the router's own, in trace seconds.
         hold_s = (spec.slo_ttft_ms / 1000.0 + STREAM_HOLD_SLACK_S) * spec.time_scale + margin
         router_args += ("--stream-header-hold-s", f"{hold_s:g}")
-    if spec.config == "static":
+    if spec.config in ROUND_ROBIN:
         router_args += ("--pairing", "round_robin")
     return ClusterSpec(
         prefill=spec.prefill,
@@ -125,6 +131,16 @@ def cluster_spec(spec: RunSpec) -> ClusterSpec:
         log_dir=spec.out_dir / "logs" / spec.name,
         die_with_parent=True,
     )
+
+
+def _shedding(spec: RunSpec) -> tuple[float, float, float]:
+    """(router TTFT multiple, router decode-backlog batches, expiry margin in trace s) of
+    ``spec``: its own fields, except ``static-paper``, whose baseline fixes all three."""
+    if spec.config != "static-paper":
+        return spec.shed_ttft_multiple, spec.shed_decode_backlog, spec.expire_margin_s
+    paper = paper_baseline_shedding(spec.slo_ttft_ms / 1000.0)
+    margin_s = paper.expire_margin_s if paper.expire_margin_s is not None else -1.0
+    return paper.ttft_multiple, paper.decode_backlog_batches, margin_s
 
 
 def _vocab_size(model: str) -> int:

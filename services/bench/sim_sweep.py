@@ -4,8 +4,10 @@ static baselines, judged separately on the cells the policy was tuned on and on 
 
 A cell is one (workload, seed, offset, rps); in it every configuration replays the same
 trace (Poisson arrivals from ``seed``, the traces read from ``offset`` seconds). Per
-(workload, rps) it reports min / median of full − oracle, full − static and
-full − static-pressure (percentage points of joint attainment) and whether the goals hold:
+(workload, rps) it reports min / median of full − oracle, full − static,
+full − static-pressure and full − static-paper (the paper's own baseline: no door, queued
+work aborted 60 s after arrival; percentage points of joint attainment, and the cells where
+full is 30 pp or more above it) and whether the goals hold:
 full >= oracle − 3 pp in every cell, and full >= oracle in every cell where the oracle is
 below 0.5. A cell is *tuned* when its seed is in ``--tune-seeds`` and its offset in
 ``--tune-offsets``; everything else is held out. The LAST stdout line is one JSON object::
@@ -13,6 +15,7 @@ below 0.5. A cell is *tuned* when its seed is in ``--tune-seeds`` and its offset
     {"bench": "sim-sweep", "cells": n, "goals": {"tuned": {...}, "held_out": {...}},
      "by_rps": {"<workload>": {"<rps>": {"full_minus_oracle_pp": {"min":, "median":},
                 "full_minus_static_pp": {...}, "full_minus_static_pressure_pp": {...},
+                "full_minus_static_paper_pp": {...}, "cells_full_ge_static_paper_plus_30pp": n,
                 "oracle_min":, "goal_cells_failed": n, "cells": n}}}, ...}
 
 ``--jobs 2`` runs two cells at once (at most 2: the machines this runs on are shared).
@@ -20,7 +23,8 @@ below 0.5. A cell is *tuned* when its seed is in ``--tune-seeds`` and its offset
 ``--configs full --reuse FILE`` re-runs only ``full`` and takes the other configurations of
 each cell from an earlier ``--out`` file (the same workload, seed, offset, rps and request
 count; the simulator is deterministic, so a configuration whose code did not change gives
-the same row): a policy change to FluidRole is judged at a quarter of the cost.
+the same row): a policy change to FluidRole is judged at a fraction of the
+cost.
 """
 
 from __future__ import annotations
@@ -42,12 +46,12 @@ from services.bench.sweep_summary import SLACK_PP as SLACK_PP
 from services.bench.sweep_summary import cell_goal_ok as cell_goal_ok
 from services.bench.sweep_summary import summarize as summarize
 from services.bench.workloads import MIXED, POISSON, STAGED, WORKLOADS, build_workload
-from services.sim.config import FULL, ORACLE, STATIC, STATIC_PRESSURE, SimConfig
+from services.sim.config import FULL, ORACLE, STATIC, STATIC_PAPER, STATIC_PRESSURE, SimConfig
 from services.sim.run import run_config
 from shared.engine.profiles import load_profile
 
 DEFAULT_RPS = {STAGED: "20,25,30,35", MIXED: "10,15,20,25"}
-CONFIGS = (FULL, ORACLE, STATIC, STATIC_PRESSURE)
+CONFIGS = (FULL, ORACLE, STATIC, STATIC_PRESSURE, STATIC_PAPER)
 
 
 @dataclass(frozen=True)
@@ -167,8 +171,8 @@ def run_cell(
     reused: dict[CellKey, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """``configs`` on one cell's trace (joint attainment and counters per config); the other
-    configurations are copied from the ``reused`` row of the same cell, or run when there is
-    none."""
+    configurations are copied from the ``reused`` row of the same cell, or run when it has
+    none (or lacks that configuration: rows written before ``static-paper`` existed)."""
     profile = load_profile(profile_name)
     trace = build_workload(
         cell.workload,
@@ -189,7 +193,7 @@ def run_cell(
     }
     old = (reused or {}).get(cell_key(row))
     for name in CONFIGS:
-        if old is not None and name not in configs:
+        if old is not None and name not in configs and name in old:
             row[name] = old[name]
             continue
         t0 = time.perf_counter()

@@ -11,10 +11,12 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from services.sim.config import FULL, ORACLE, STATIC, STATIC_PRESSURE
+from services.sim.config import FULL, ORACLE, STATIC, STATIC_PAPER, STATIC_PRESSURE
 
 SLACK_PP = 3.0  # full >= oracle − 3 pp in every cell
 HOPELESS = 0.5  # where the oracle is below this, full >= oracle
+# Issue 16's cross-check goal, full >= static + 30 pp, counted against the paper's baseline.
+PAPER_MARGIN_PP = 30.0
 
 
 def cell_goal_ok(row: dict[str, Any]) -> bool:
@@ -60,7 +62,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             def pp(a: str, b: str, rs: list[dict[str, Any]] = sel) -> list[float]:
                 return [100.0 * (r[a]["joint"] - r[b]["joint"]) for r in rs]
 
-            by_rps.setdefault(workload, {}).setdefault(f"{rps:g}", {})[part] = {
+            stats: dict[str, Any] = {
                 "cells": len(sel),
                 "full_minus_oracle_pp": _dist(pp(FULL, ORACLE)),
                 "full_minus_static_pp": _dist(pp(FULL, STATIC)),
@@ -70,4 +72,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "oracle_min": round(min(r[ORACLE]["joint"] for r in sel), 3),
                 "goal_cells_failed": sum(1 for r in sel if not cell_goal_ok(r)),
             }
+            # Rows of sweeps before static-paper existed lack it: reported only when all
+            # of the group's cells have it.
+            if all(STATIC_PAPER in r for r in sel):
+                stats["full_minus_static_paper_pp"] = _dist(pp(FULL, STATIC_PAPER))
+                stats["cells_full_ge_static_paper_plus_30pp"] = sum(
+                    1 for x in pp(FULL, STATIC_PAPER) if x >= PAPER_MARGIN_PP
+                )
+            by_rps.setdefault(workload, {}).setdefault(f"{rps:g}", {})[part] = stats
     return {"goals": goals, "by_rps": by_rps}

@@ -12,17 +12,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from shared.policy.admission import SheddingConfig
+from shared.policy.admission import SheddingConfig, paper_baseline_shedding
 from shared.policy.config import PolicyConfig
+from shared.policy.errors import PolicyConfigError
 
 STATIC = "static"  # fixed split, round robin, no stealing, no switching (SGLang-like baseline)
 # Fixed split, pressure pairing, no stealing, no switching: pairing's share of the gain.
 STATIC_PRESSURE = "static-pressure"
+# The paper's own baseline (§V-C): static, and no door; queued work aborted 60 s after
+# arrival. Every other configuration keeps the base's shedding (the router's door).
+STATIC_PAPER = "static-paper"
 TOKEN = "token"  # FluidToken only
 ROLE = "role"  # FluidRole only
 FULL = "full"  # FluidToken + FluidRole
 ORACLE = "oracle"  # best static split per window in hindsight (run.py)
-CONFIGS = (STATIC, STATIC_PRESSURE, TOKEN, ROLE, FULL)
+CONFIGS = (STATIC, STATIC_PRESSURE, TOKEN, ROLE, FULL, STATIC_PAPER)
 PAIRINGS = ("round_robin", "pressure")
 
 
@@ -123,9 +127,9 @@ class SimConfig:
 
 
 def config_for(name: str, base: SimConfig | None = None) -> SimConfig:
-    """The paper's configuration ``name`` (static | static-pressure | token | role | full)
-    on top of ``base``
-    (cluster size, SLOs, link...). Raises SimConfigError for an unknown name."""
+    """The paper's configuration ``name`` (static | static-pressure | token | role | full |
+    static-paper) on top of ``base`` (cluster size, SLOs, link...). Raises SimConfigError
+    for an unknown name."""
     base = base or SimConfig()
     if name == STATIC:
         return replace(base, fluidtoken=False, fluidrole=False, pairing="round_robin")
@@ -137,4 +141,11 @@ def config_for(name: str, base: SimConfig | None = None) -> SimConfig:
         return replace(base, fluidtoken=False, fluidrole=True, pairing="pressure")
     if name == FULL:
         return replace(base, fluidtoken=True, fluidrole=True, pairing="pressure")
+    if name == STATIC_PAPER:
+        try:
+            shedding = paper_baseline_shedding(base.policy.ttft_s)
+        except PolicyConfigError as exc:
+            raise SimConfigError(str(exc)) from exc
+        # One abort, the baseline's: the drop past the deadline stands for SGLang's.
+        return replace(config_for(STATIC, base), shedding=shedding, queue_timeout_s=0.0)
     raise SimConfigError(f"unknown configuration {name!r}; known: {[*CONFIGS, ORACLE]}")

@@ -43,6 +43,10 @@ STREAM_HOLD_SLACK_S = 10.0
 # (35-130 rps; per cell -3.9 ... +8.2 pp), the static splits are unchanged (their decode side
 # does not back up), 0.25 and 0.1 gained less (docs/results.md, Session 11).
 DEFAULT_DECODE_BACKLOG_BATCHES = 0.5
+# The paper's baseline (SGLang, §V-C) has no door and aborts a request still queued this
+# long after its arrival: the ``static-paper`` configuration of bench sim / sim-sweep /
+# replay (``paper_baseline_shedding``).
+PAPER_ABORT_AFTER_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,3 +126,19 @@ def sheds_for_decode_backlog(backlog_batches: float | None, cfg: SheddingConfig)
 def is_expired(deadline_s: float, now_s: float, cfg: SheddingConfig) -> bool:
     """True when queued work whose TTFT deadline is ``deadline_s`` should be dropped."""
     return cfg.expire_margin_s is not None and now_s > deadline_s + cfg.expire_margin_s
+
+
+def paper_baseline_shedding(ttft_slo_s: float) -> SheddingConfig:
+    """The paper's baseline admission: nothing shed at the door, and queued prefill work
+    dropped ``PAPER_ABORT_AFTER_S`` after arrival, i.e. past its TTFT deadline (arrival +
+    ``ttft_slo_s``) by the rest. Raises PolicyConfigError if ``ttft_slo_s`` is not in
+    (0, PAPER_ABORT_AFTER_S]."""
+    if not 0.0 < ttft_slo_s <= PAPER_ABORT_AFTER_S:
+        raise PolicyConfigError(
+            f"paper baseline: the TTFT SLO must be in (0, {PAPER_ABORT_AFTER_S:g}] s"
+        )
+    return SheddingConfig(
+        ttft_multiple=0.0,
+        expire_margin_s=PAPER_ABORT_AFTER_S - ttft_slo_s,
+        decode_backlog_batches=0.0,
+    )
