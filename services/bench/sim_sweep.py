@@ -142,7 +142,11 @@ def load_rows(path: str) -> list[dict[str, Any]]:
 
 
 def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
+    """``"0,600"`` -> ``[0.0, 600.0]``. Raises ValueError naming the text."""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"not a comma-separated list of numbers: {text!r}") from None
 
 
 def cells_of(args: argparse.Namespace) -> list[Cell]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from services.cli.run_command import run_command
+
 _BENCHES = {
     "engine": "services.bench.engine",
     "kv": "services.bench.kv",
@@ -30,4 +32,4 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as exc:
         print(f"fluidpd bench {argv[0]}: not available in this build ({exc})", file=sys.stderr)
         return 2
-    return int(module.main(argv[1:]) or 0)
+    return run_command(f"fluidpd bench {argv[0]}", module.main, argv[1:])

@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from services.cli.run_command import run_command
+
 # subcommand -> (module, help). Modules are imported lazily so that `fluidpd ctl` and the
 # router never pay for importing torch.
 _COMMANDS = {
@@ -29,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     args = parser.parse_args(argv[:1])
     module = importlib.import_module(_COMMANDS[args.command][0])
-    return int(module.main(argv[1:]) or 0)
+    return run_command(f"fluidpd {args.command}", module.main, argv[1:])
 
 
 if __name__ == "__main__":
