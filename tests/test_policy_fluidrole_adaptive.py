@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from services.bench.shift_analysis import recommendation
 from shared.policy.config import ADAPTIVE, PAPER, PolicyConfig
 from shared.policy.errors import PolicyConfigError
 from shared.policy.fluidrole import (
@@ -197,3 +198,23 @@ def test_moving_back_while_decode_binds_waits_the_shorter_reverse_wait() -> None
         first = min(t for t, d in moves.items() if d.action == P2D)
         assert first == first_move_s, (waiting, {t: d.reason for t, d in moves.items()})
         assert all(moves[t].reason == "cooldown" for t in moves if t < first_move_s)
+
+
+def test_a_decisions_published_inputs_give_its_recommendation_again() -> None:
+    # A fresh DPI_adm spike (0.8, above the D->P guard, below the blocking level) under a
+    # window whose percentile is still 0: the guard reads the spike, so no D->P. bench shift
+    # re-derives each recommendation from the published inputs alone (shift_analysis).
+    policy = RolePolicy(CFG)
+    for t, adm in ((0.0, 0.0), (1.0, 0.0), (2.0, 0.8)):
+        d = policy.decide(cluster(ppi=3.0, load=0.3, adm=adm), t)
+    assert d.dpi_adm_bar == 0.0 and d.dpi_adm_guard == pytest.approx(0.8)
+    assert (d.recommendation, d.reason) == (NONE, "both_phases_pressured")
+    inputs = d.inputs(8)
+    assert inputs["dpi_adm_guard"] == pytest.approx(0.8) and inputs["workers"] == 8.0
+    assert recommendation(inputs, CFG) == d.recommendation
+    # Without the guard's value the same inputs read as eq. 22: the field is what agrees.
+    del inputs["dpi_adm_guard"]
+    assert recommendation(inputs, CFG) == D2P
+    # PAPER has no guard and publishes none.
+    paper = RolePolicy(dataclasses.replace(CFG, rules=PAPER)).decide(cluster(3.0, 0.3, 0.8), 0.0)
+    assert paper.dpi_adm_guard is None and "dpi_adm_guard" not in paper.inputs(8)

@@ -22,6 +22,7 @@ def recommendation(inputs: dict[str, float], cfg: PolicyConfig) -> str:
         inputs["dpi_load_bar"],
         inputs["dpi_adm_bar"],
         cfg,
+        adm_guard_value=inputs.get("dpi_adm_guard"),
         ppi_now=inputs.get("ppi_now"),
     )[0]
 

@@ -205,23 +205,7 @@ class Controller(Service):
         m.dpi_adm_bar.set(decision.dpi_adm_bar)
         m.workers.labels(role=PREFILL).set(decision.active_prefill)
         m.workers.labels(role=DECODE).set(decision.active_decode)
-        inputs = {
-            "ppi_bar": decision.ppi_bar,
-            "dpi_load_bar": decision.dpi_load_bar,
-            "dpi_adm_bar": decision.dpi_adm_bar,
-            "persist_count": float(decision.persist_count),
-            "active_prefill": float(decision.active_prefill),
-            "active_decode": float(decision.active_decode),
-            "workers": float(len(snapshot.workers)),
-            "move_workers": float(len(decision.worker_ids)),
-        }
-        if decision.ppi_now is not None:  # PPI̅ as it is now (a P→D recommendation reads it)
-            inputs["ppi_now"] = decision.ppi_now
-        if decision.decode_flow is not None:  # FluidRole's decode flow forecast (sizing)
-            flow = decision.decode_flow
-            inputs["decode_flow_entered"] = flow.entered
-            inputs["decode_flow_left"] = flow.left
-            inputs["decode_flow_forecast"] = flow.requests
+        inputs = decision.inputs(len(snapshot.workers))
         event = "controller_switch_decided" if decision.switches else "controller_decision"
         log.info(
             event,

@@ -110,10 +110,37 @@ class Decision:
     decode_flow: DecodeFlow | None = None
     # PPI̅ as it is now (cluster_view.prefill_ppi_now), which a P→D recommendation may read.
     ppi_now: float | None = None
+    # The DPI_adm value ADAPTIVE's D→P admission guard compared (max of the smoothed and the
+    # present reading); None under PAPER rules, which have no guard.
+    dpi_adm_guard: float | None = None
 
     @property
     def switches(self) -> bool:
         return self.action != NONE
+
+    def inputs(self, num_workers: int) -> dict[str, float]:
+        """The named numbers published with this decision (``ControllerDecision.inputs``,
+        docs/subjects.md): with ``ppi_now`` and ``dpi_adm_guard``, enough for ``recommend``
+        to give this decision's recommendation again (bench shift re-derives it). Pure."""
+        out = {
+            "ppi_bar": self.ppi_bar,
+            "dpi_load_bar": self.dpi_load_bar,
+            "dpi_adm_bar": self.dpi_adm_bar,
+            "persist_count": float(self.persist_count),
+            "active_prefill": float(self.active_prefill),
+            "active_decode": float(self.active_decode),
+            "workers": float(num_workers),
+            "move_workers": float(len(self.worker_ids)),
+        }
+        if self.ppi_now is not None:
+            out["ppi_now"] = self.ppi_now
+        if self.dpi_adm_guard is not None:
+            out["dpi_adm_guard"] = self.dpi_adm_guard
+        if self.decode_flow is not None:  # FluidRole's decode flow forecast (sizing)
+            out["decode_flow_entered"] = self.decode_flow.entered
+            out["decode_flow_left"] = self.decode_flow.left
+            out["decode_flow_forecast"] = self.decode_flow.requests
+        return out
 
     def to_log(self) -> dict[str, Any]:
         return asdict(self)
@@ -203,6 +230,7 @@ class RolePolicy:
                 worker_ids=tuple(w.worker_id for w in movers),
                 decode_flow=flow,
                 ppi_now=ppi_now,
+                dpi_adm_guard=None if cfg.rules == PAPER else adm_d2p,
             )
 
         gate = None
