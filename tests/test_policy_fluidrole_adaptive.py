@@ -218,3 +218,36 @@ def test_a_decisions_published_inputs_give_its_recommendation_again() -> None:
     # PAPER has no guard and publishes none.
     paper = RolePolicy(dataclasses.replace(CFG, rules=PAPER)).decide(cluster(3.0, 0.3, 0.8), 0.0)
     assert paper.dpi_adm_guard is None and "dpi_adm_guard" not in paper.inputs(8)
+
+
+def test_a_follow_up_move_back_to_decode_counts_its_persistence_while_settling() -> None:
+    # Decode admission pressure holds after a P->D move: the follow-up P->D move fires as
+    # settle_s ends, its n_persist intervals counted during the settle (the return to decode
+    # at a stage edge needs several moves; each used to cost settle_s + n_persist). A
+    # follow-up D->P still counts from the end of the settle.
+    cfg = dataclasses.replace(CFG, n_persist=3, max_move_workers=1)
+    assert cfg.p2d_persist_while_settling
+
+    def moves(cfg: PolicyConfig, snap: ClusterSnapshot) -> list[float]:
+        policy = RolePolicy(cfg)
+        return [t for t in range(14) if policy.decide(snap, float(t)).switches]
+
+    p2d = cluster(ppi=0.0, load=0.3, adm=0.5, n_p=6, n_d=2)
+    assert RolePolicy(cfg).decide(p2d, 0.0).recommendation == P2D
+    # The first move after 3 intervals (t = 2), the settle until t = 8, the next at once.
+    assert moves(cfg, p2d) == [2, 8]
+    off = dataclasses.replace(cfg, p2d_persist_while_settling=False)
+    assert moves(off, p2d)[:2] == [2, 10]
+    d2p = cluster(ppi=3.0, load=0.1, adm=0.0, n_p=4, n_d=4)
+    assert RolePolicy(cfg).decide(d2p, 0.0).recommendation == D2P
+    assert moves(cfg, d2p)[:2] == [2, 10]
+    # PAPER: one cooldown, persistence counted after it.
+    paper = dataclasses.replace(cfg, rules=PAPER)
+    assert moves(paper, p2d) == [2]
+
+
+def test_p2d_persist_while_settling_must_be_a_bool() -> None:
+    with pytest.raises(PolicyConfigError, match="p2d_persist_while_settling"):
+        PolicyConfig(p2d_persist_while_settling=1)  # type: ignore[arg-type]
+    doc = PolicyConfig(p2d_persist_while_settling=False).to_dict()
+    assert PolicyConfig.from_dict(doc).p2d_persist_while_settling is False

@@ -23,6 +23,7 @@ PAPER = "paper"
 ADAPTIVE = "adaptive"
 RULE_SETS = (ADAPTIVE, PAPER)
 _STRINGS = ("model", "rules")
+_BOOLS = ("p2d_persist_while_settling",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,12 @@ class PolicyConfig:
     # time its effect needs to show in the signals: the PPI p95 window, eq. 20, plus a
     # margin). A decision moves up to max_move_workers workers at once (sizing module).
     settle_s: float = 6.0
+    # ADAPTIVE only: a P->D follow-up counts its n_persist intervals during settle_s, so it
+    # fires as the settle ends. The return to decode at a stage edge takes several moves
+    # and each used to cost settle_s + n_persist intervals (16 workers, 43 s stages: 4 of 10
+    # cells lost the goal on that lag). A D->P follow-up still counts after the settle:
+    # moving sooner overshoots at short stages (1,500-request staged set: -5.5 pp).
+    p2d_persist_while_settling: bool = True
     # ADAPTIVE only: a move *against* the last one waits this long after the last moment a
     # worker was seen in transit (oscillation guard; PAPER waits cooldown_s from the switch).
     # Shorter than cooldown_s because a wrong move must be undone before its cost piles up:
@@ -107,6 +114,10 @@ class PolicyConfig:
             if f.name in _STRINGS:
                 if not isinstance(value, str):
                     raise PolicyConfigError(f"policy config: {f.name} must be a string")
+                continue
+            if f.name in _BOOLS:
+                if not isinstance(value, bool):
+                    raise PolicyConfigError(f"policy config: {f.name} must be true or false")
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise PolicyConfigError(f"policy config: {f.name} must be a number")

@@ -20,7 +20,9 @@ Rules, in the order they are checked:
    ``reverse_wait_s`` from then (oscillation guard), ``reverse_wait_binds_s`` for a P→D
    move while decode binds (the router sheds on the decode backlog meanwhile).
    In 1–3 the persistence counter is reset, so a switch needs N_persist fresh intervals
-   after the cooldown (signals measured mid-transition do not count).
+   after the cooldown (signals measured mid-transition do not count); ADAPTIVE's one
+   exception: a P→D follow-up counts during ``settle_s`` (``p2d_persist_while_settling``)
+   and so fires as the settle ends.
 4. aggregates over Active workers only: PPI̅ = max_p PPI^95(p) (eq. 20); DPI̅_load, DPI̅_adm =
    means over decode workers (eq. 21). A role with no Active worker contributes 0.
    ADAPTIVE reads DPI̅_adm smoothed like PPI̅: the ``adm_smoothing_q`` percentile (median)
@@ -249,6 +251,11 @@ class RolePolicy:
                     gate = "settling"
             elif rec != NONE and since_s < self._reverse_wait_s(rec, demand, n_d):
                 gate = "cooldown"
+        if gate == "settling" and rec == P2D and cfg.p2d_persist_while_settling:
+            # Count, but do not move: the follow-up fires as the settle ends (config.py).
+            self._count = self._count + 1 if rec == self._pending else 1
+            self._pending = rec
+            return out(NONE, gate)
         if gate is not None or rec == NONE:
             self._pending, self._count = NONE, 0
             return out(NONE, gate or reason)
