@@ -42,6 +42,8 @@ def _fluidpd(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
             "/nonexistent/cells.jsonl",
         ),
         (("calibrate", "--model", "/nonexistent/model"), "fluidpd calibrate", "no such file"),
+        (("bench", "replay", "--config", "bogus"), "fluidpd bench replay", "'bogus'"),
+        (("bench", "sim", "--config", "bogus"), "fluidpd bench sim", "'bogus'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], prog: str, says: str) -> None:
@@ -69,3 +71,19 @@ def test_a_bug_keeps_its_traceback() -> None:
         run_command("fluidpd x", buggy, [])
     assert run_command("fluidpd x", lambda argv: 3, []) == 3
     assert run_command("fluidpd x", lambda argv: None, []) == 0
+
+
+@pytest.mark.parametrize("points", ["full:x", "nope:3", "full:0", "full:10,static"])
+def test_crosscheck_refuses_a_bad_point_before_running_any(points: str, tmp_path) -> None:
+    out = tmp_path / "xcheck"
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.bench.crosscheck", "--points", points, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("python -m services.bench.crosscheck: error: ValueError: bad point")
+    assert not out.exists()  # refused before the profile or any run was written

@@ -43,7 +43,7 @@ def test_static_paper_is_a_replay_and_crosscheck_configuration() -> None:
         ("static-paper", 25.0),
         ("full", 25.0),
     ]
-    with pytest.raises(SystemExit):
+    with pytest.raises(ValueError, match="static-papr"):
         crosscheck.parse_points("static-papr:25")
     results = {
         "full": {"25": {"joint_attainment": 0.9}, "30": {"joint_attainment": 0.5}},

@@ -26,6 +26,7 @@ from typing import Any
 from services.bench.replay import plan_of, scaled_policy, scaled_profile
 from services.bench.replay_run import FLUIDTOKEN, RunSpec, run_once
 from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, workload_from_args
+from services.cli.run_command import run_command
 from services.sim.config import SimConfig
 from services.sim.run import run_config
 from shared.engine.profiles import load_profile
@@ -35,12 +36,20 @@ KEYS = ("joint_attainment", "ttft_attainment", "tpot_attainment")
 
 
 def parse_points(text: str) -> list[tuple[str, float]]:
+    """``CONFIG:RPS,...`` → pairs; raises ValueError on any bad item (before anything runs)."""
     out = []
     for item in text.split(","):
-        cfg, _, rps = item.strip().partition(":")
-        if cfg not in FLUIDTOKEN or not rps:
-            raise SystemExit(f"bad point {item!r}: want CONFIG:RPS, e.g. static:10")
-        out.append((cfg, float(rps)))
+        cfg, _, rps_text = item.strip().partition(":")
+        try:
+            rps = float(rps_text)
+        except ValueError:
+            rps = float("nan")
+        if cfg not in FLUIDTOKEN or not rps > 0 or rps == float("inf"):
+            raise ValueError(
+                f"bad point {item!r}: want CONFIG:RPS with RPS > 0, e.g. static:10; "
+                f"configs: {', '.join(FLUIDTOKEN)}"
+            )
+        out.append((cfg, rps))
     return out
 
 
@@ -88,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance-pp", type=float, default=5.0)
     ap.add_argument("--out", default="")
     args = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
+    point_list = parse_points(args.points)
     out_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fluidpd-xcheck-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     s = args.time_scale
@@ -109,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     policy = PolicyConfig(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms)
     points = []
-    for cfg, rps in parse_points(args.points):
+    for cfg, rps in point_list:
         sim = sim_point(cfg, rps, args, policy)
         emu = emulated_point(cfg, rps, args, base)
         diff = {k: round(100 * (emu[k] - sim[k]), 1) for k in KEYS}
@@ -149,4 +159,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("python -m services.bench.crosscheck", main, sys.argv[1:]))

@@ -152,7 +152,7 @@ def configs_of(text: str) -> list[str]:
     names = list(CONFIGS) if text == "all" else [c.strip() for c in text.split(",") if c.strip()]
     for n in names:
         if n not in CONFIGS:
-            raise SystemExit(f"unknown config {n!r}; known: {', '.join(CONFIGS)}")
+            raise ValueError(f"unknown config {n!r}; known: {', '.join(CONFIGS)}")
     return names
 
 

@@ -137,7 +137,7 @@ def configs_of(text: str) -> list[str]:
     names = [*CONFIGS, ORACLE] if text == ALL else [c.strip() for c in text.split(",") if c]
     for name in names:
         if name not in (*CONFIGS, ORACLE):
-            raise SystemExit(f"unknown config {name!r}")
+            raise ValueError(f"unknown config {name!r}; known: {', '.join((*CONFIGS, ORACLE))}")
     return names
 
 
