@@ -12,14 +12,20 @@ import pytest
 from services.cli.run_command import run_command
 
 
-def _fluidpd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _run_module(
+    module: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli.main", *args],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         timeout=120,
         env={**os.environ, **(env or {})},
     )
+
+
+def _fluidpd(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return _run_module("services.cli.main", *args, env=env)
 
 
 @pytest.mark.parametrize(
@@ -76,12 +82,7 @@ def test_a_bug_keeps_its_traceback() -> None:
 @pytest.mark.parametrize("points", ["full:x", "nope:3", "full:0", "full:10,static"])
 def test_crosscheck_refuses_a_bad_point_before_running_any(points: str, tmp_path) -> None:
     out = tmp_path / "xcheck"
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.bench.crosscheck", "--points", points, "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _run_module("services.bench.crosscheck", "--points", points, "--out", str(out))
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr

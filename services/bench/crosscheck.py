@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from dataclasses import replace
@@ -43,8 +44,8 @@ def parse_points(text: str) -> list[tuple[str, float]]:
         try:
             rps = float(rps_text)
         except ValueError:
-            rps = float("nan")
-        if cfg not in FLUIDTOKEN or not rps > 0 or rps == float("inf"):
+            rps = 0.0  # refused below, with the item named
+        if cfg not in FLUIDTOKEN or not (math.isfinite(rps) and rps > 0):
             raise ValueError(
                 f"bad point {item!r}: want CONFIG:RPS with RPS > 0, e.g. static:10; "
                 f"configs: {', '.join(FLUIDTOKEN)}"

@@ -251,17 +251,17 @@ class RolePolicy:
                     gate = "settling"
             elif rec != NONE and since_s < self._reverse_wait_s(rec, demand, n_d):
                 gate = "cooldown"
-        if gate == "settling" and rec == P2D and cfg.p2d_persist_while_settling:
-            # Count, but do not move: the follow-up fires as the settle ends (config.py).
-            self._count = self._count + 1 if rec == self._pending else 1
-            self._pending = rec
-            return out(NONE, gate)
-        if gate is not None or rec == NONE:
+        # A P->D follow-up counts its persistence while settling, but does not move: it
+        # fires as the settle ends (config.py). Every other gate resets the count.
+        count_only = gate == "settling" and rec == P2D and cfg.p2d_persist_while_settling
+        if (gate is not None and not count_only) or rec == NONE:
             self._pending, self._count = NONE, 0
             return out(NONE, gate or reason)
 
         self._count = self._count + 1 if rec == self._pending else 1
         self._pending = rec
+        if gate is not None:  # count_only: settling
+            return out(NONE, gate)
         blocked = cfg.rules != PAPER and reason == "decode_admission_blocks_prefill"
         n_persist = cfg.n_persist_blocked if blocked else cfg.n_persist
         if self._count < n_persist:
