@@ -39,8 +39,9 @@ from packaging.requirements import Requirement
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.nats_auth import password_env, render_deploy_authorization
+from services.common.nats_server import free_port
 from shared.messages import Subjects
-from tests.support.nats_server import NatsServer, free_port
+from tests.support.nats_server import NatsServer
 from tests.support.nats_wire import WireError, ping
 
 REPO = Path(__file__).resolve().parents[1]
@@ -590,12 +591,12 @@ def cpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluste
         str(conf) if a == "/etc/nats/nats.conf" else str(store) if a == "/data" else a
         for a in nats_svc["command"]
     ]
-    port, monitor_port = free_port(), free_port()
     nats_env = {k: str(v) for k, v in nats_svc["environment"].items()}
     server = ConfiguredNatsServer(
-        [*argv, "-a", "127.0.0.1", "-p", str(port), "-m", str(monitor_port)],
+        # -1: nats-server binds ports of its own choice; start() reads them from its log.
+        [*argv, "-a", "127.0.0.1", "-p", "-1", "-m", "-1"],
         store,
-        port=port,
+        monitor=True,
         user="operator",
         password=nats_env[password_env("operator")],
     )
@@ -603,7 +604,8 @@ def cpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluste
         for key, value in nats_env.items():
             mp.setenv(key, value)
         server.start()
-    cluster = LiveCluster(nats=server, monitor_port=monitor_port, env={}, log_dir=log_dir)
+    assert server.monitor_port is not None
+    cluster = LiveCluster(nats=server, monitor_port=server.monitor_port, env={}, log_dir=log_dir)
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("FLUIDPD_", "UCX"))}
     clean.update(PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
@@ -612,7 +614,7 @@ def cpu_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveCluste
             svc = services[name]
             cmd = list(svc["command"])
             assert cmd[0] == "python"
-            env = _localize(name, svc["environment"], port)
+            env = _localize(name, svc["environment"], server.port)
             cluster.env[name] = env
             out = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
             cluster.procs[name] = subprocess.Popen(

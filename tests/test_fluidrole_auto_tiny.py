@@ -52,7 +52,6 @@ from services.bench.shift_analysis import analyse
 from services.bench.shift_observer import Observer
 from services.common.cluster import Cluster
 from services.common.cluster_spec import ClusterSpec
-from services.common.nats_server import free_port
 from shared.engine.config import EngineConfig
 from shared.engine.engine import Engine
 from shared.engine.generate import generate
@@ -214,7 +213,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         decode=2,
         model="tiny",
         engine="torch",
-        port=free_port(),
+        port=0,
         threads=1,
         policy_config=str(policy_path),
         auto_policy=True,

@@ -50,9 +50,8 @@ N_TOKENS = 40  # the forged-stream request; ~10 ms per token at --time-scale 20
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[UpProcess, dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("trust")
     state_file = tmp / "up.json"
-    port = free_port()
     args = ["--model", "tiny", "--engine", "emulated", "--prefill", "1", "--decode", "1"]
-    args += ["--port", str(port), "--time-scale", "20", "--log-dir", str(tmp / "logs")]
+    args += ["--port", "0", "--time-scale", "20", "--log-dir", str(tmp / "logs")]
     proc = UpProcess(args, state_file, FLUIDPD_API_KEY=API_KEY)
     try:
         proc.wait_ready(120)

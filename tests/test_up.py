@@ -15,7 +15,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from services.common.nats_server import free_port
 from tests.support.up_process import UpProcess
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,7 +38,6 @@ def alive(pids: list[int]) -> list[int]:
 
 @pytest.fixture
 def up(state_file: Path) -> Iterator[UpProcess]:
-    port = free_port()
     proc = UpProcess(
         [
             "--model",
@@ -51,13 +49,12 @@ def up(state_file: Path) -> Iterator[UpProcess]:
             "--decode",
             "1",
             "--port",
-            str(port),
+            "0",  # the router binds a free port itself and reports it
             "--threads",
             "1",
         ],
         state_file,
     )
-    proc.port = port  # type: ignore[attr-defined]
     try:
         yield proc
     finally:
@@ -67,15 +64,18 @@ def up(state_file: Path) -> Iterator[UpProcess]:
 
 def test_up_serves_and_stops_cleanly(up: UpProcess, state_file: Path) -> None:
     up.wait_ready(90)
-    port = up.port  # type: ignore[attr-defined]
-    assert any(f"curl http://127.0.0.1:{port}/v1/chat/completions" in line for line in up.lines)
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as resp:
+    state = json.loads(state_file.read_text())
+    url = state["router_url"]
+    assert url.startswith("http://127.0.0.1:") and int(url.rsplit(":", 1)[1]) > 0, url
+    # The banner and the ready line name the port the router really bound (--port 0).
+    assert any(f"curl {url}/v1/chat/completions" in line for line in up.lines)
+    assert any(line.startswith(f"fluidpd up: ready: router {url},") for line in up.lines)
+    with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
         assert resp.status == 200
 
-    state = json.loads(state_file.read_text())
     assert state["pid"] == up.proc.pid
     assert set(state["pids"]) == {"nats", "controller", "router", "p0", "d0"}
-    assert state["router_url"] == f"http://127.0.0.1:{port}"
+    assert state["nats_url"].startswith("nats://127.0.0.1:") and state["nats_url"][-2:] != ":0"
 
     # ctl finds the cluster through the state file (no --nats, no FLUIDPD_NATS_URL).
     ctl = subprocess.run(
@@ -103,7 +103,6 @@ def test_up_serves_and_stops_cleanly(up: UpProcess, state_file: Path) -> None:
 
 
 def test_up_fails_clearly_when_a_child_dies(state_file: Path) -> None:
-    port = free_port()
     up = UpProcess(
         [
             "--model",
@@ -115,7 +114,7 @@ def test_up_fails_clearly_when_a_child_dies(state_file: Path) -> None:
             "--decode",
             "1",
             "--port",
-            str(port),
+            "0",
         ],
         state_file,
     )

@@ -18,7 +18,6 @@ from typing import Any
 from services.bench.loadgen import PlannedRequest, run_open_loop, summarize
 from services.common.cluster import Cluster
 from services.common.cluster_spec import ClusterSpec
-from services.common.nats_server import free_port
 from shared.policy.config import PolicyConfig
 from shared.policy.roles import DECODE
 
@@ -61,7 +60,7 @@ def run_config(
         decode=1,
         model="tiny",
         engine="emulated",
-        port=free_port(),
+        port=0,
         profile=args.profile,
         time_scale=args.time_scale,
         worker_args=worker_args,

@@ -31,7 +31,6 @@ from services.bench.replay_metrics import (
 from services.bench.replay_telemetry import TelemetrySampler, to_trace_time
 from services.common.cluster import Cluster
 from services.common.cluster_spec import ClusterSpec
-from services.common.nats_server import free_port
 from shared.policy.admission import (
     DEFAULT_DECODE_BACKLOG_BATCHES,
     DEFAULT_EXPIRE_MARGIN_S,
@@ -122,7 +121,7 @@ def cluster_spec(spec: RunSpec) -> ClusterSpec:
         decode=spec.workers - spec.prefill,
         model=spec.model,
         engine=spec.engine,
-        port=free_port(),
+        port=0,
         profile=spec.profile_path,
         policy_config=spec.policy_path,
         auto_policy=FLUIDROLE[spec.config],

@@ -72,10 +72,11 @@ from services.bench.serve_samples import (
     bench_profile,
     prompt_of,
 )
-from services.common.cluster import Cluster, pick_port
+from services.common.cluster import Cluster
 from services.common.cluster_spec import ClusterSpec
 from services.common.cpus import CpuSetError, check_cpus, parse_cpus, split_control_workers
 from services.common.logging import configure_logging
+from services.common.nats_server import free_port
 from services.common.procs import ChildProcess, stop_all
 
 
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         model="tiny",
         engine="emulated",
         profile=str(profile_path),
-        port=pick_port(),
+        port=0,
         with_controller=False,
         log_dir=Path(a.log_dir) if a.log_dir else tmp / "logs",
         die_with_parent=True,
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print("starting an emulated 1P1D cluster and the stack floor ...", file=sys.stderr)
         cluster.start()
         cluster.wait_ready(timeout_s=120)
-        floor_port = pick_port()
+        floor_port = free_port()  # the floor relay cannot report its port
         floor = start_floor(
             cluster.nats_url,
             str(profile_path),

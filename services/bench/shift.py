@@ -34,7 +34,6 @@ from services.bench.shift_analysis import analyse
 from services.bench.shift_observer import Observer
 from services.common.cluster import Cluster
 from services.common.cluster_spec import ClusterSpec
-from services.common.nats_server import free_port
 from shared.policy.config import PolicyConfig
 
 TINY_VOCAB = 356  # the "tiny" tokenizer's vocabulary (prompt ids are drawn below it)
@@ -161,7 +160,7 @@ def run_shift(
         decode=setup.decode,
         model="tiny",
         engine="emulated",
-        port=free_port(),
+        port=0,
         profile=setup.profile,
         policy_config=str(policy_path),
         auto_policy=True,

@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 
 from services.bench.loadgen import PlannedRequest, RequestRecord, run_open_loop
-from services.common.cluster import Cluster, pick_port
+from services.common.cluster import Cluster
 from services.common.cluster_spec import ClusterSpec
 from services.common.logging import configure_logging
 from shared.bus import Bus, BusConfig
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         decode=args.decode,
         model="tiny",
         engine="emulated",
-        port=pick_port(),
+        port=0,
         time_scale=args.time_scale,
         auto_policy=args.auto,
         worker_args=("--num-kv-blocks", str(args.num_kv_blocks)),

@@ -40,7 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=("torch", "emulated"), default="torch")
     p.add_argument("--profile", default="", help="latency profile (emulated engine, PPI/DPI)")
     p.add_argument("--policy-config", default="", help="PolicyConfig JSON for every process")
-    p.add_argument("--port", type=int, default=8000, help="router HTTP port")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="router HTTP port (0: any free port; the ready line and the state file say which)",
+    )
     p.add_argument(
         "--nats",
         default=env("FLUIDPD_NATS_URL", ""),
@@ -150,7 +155,6 @@ def main(argv: list[str] | None = None) -> int:
             f"starting {spec.prefill} prefill + {spec.decode} decode worker(s), model "
             f"{spec.model}, engine {spec.engine}; NATS {cluster.nats_url}"
         )
-        say(_banner(cluster, spec.model))
         cluster.wait_ready(args.ready_timeout_s, cancel=stop)
         state: dict[str, object] = {
             "nats_url": cluster.nats_url,
@@ -161,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         if cluster.operator_credentials is not None:  # the file is 0600: ctl reads them
             state["nats_user"], state["nats_password"] = cluster.operator_credentials
         write_state(state)
+        say(_banner(cluster, spec.model))  # after ready: with --port 0 the URL is known now
         say(
             f"ready: router {cluster.router_url}, NATS {cluster.nats_url} "
             f"(state in {state_path()}); Ctrl-C stops everything"

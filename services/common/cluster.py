@@ -2,7 +2,7 @@
 
 Used by ``fluidpd up``, the end-to-end tests and the benchmarks::
 
-    cluster = Cluster(ClusterSpec(prefill=1, decode=1, model="tiny", port=free_port()))
+    cluster = Cluster(ClusterSpec(prefill=1, decode=1, model="tiny", port=0))
     try:
         cluster.start()
         cluster.wait_ready(timeout_s=120)
@@ -15,11 +15,18 @@ Blocking API (call it from a thread, e.g. ``asyncio.to_thread``, inside async co
 Every child runs in its own process group; ``stop()`` ends them all (SIGTERM, grace,
 SIGKILL) and nats-server last, so workers can deregister on the way out. What to start is a
 ``ClusterSpec`` (cluster_spec.py); each child's command line comes from cluster_commands.py.
+
+Ports: the private nats-server and, with ``spec.port == 0``, the router bind a port of the
+kernel's choice themselves and the cluster reads it back from their logs (nats-server's
+listening line, the router's ready line). Picking a free port here and handing it to the
+child would be a race that a loaded machine loses (another process binds it first).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -48,10 +55,13 @@ from services.common.nats_auth import (
     worker_user_for,
     write_server_config,
 )
-from services.common.nats_server import READY_LINE, LocalNatsServer, free_port
+from services.common.nats_server import READY_LINE, LocalNatsServer, listening_port
 from services.common.procs import ChildProcess, LogSink, stop_all
 from shared.messages.subjects import Subjects
 from shared.policy.roles import Role
+
+# The router's ready line carries the URL it listens on (plain or JSON log format).
+_URL_RE = re.compile(r"https?://[^\s\"',]+")
 
 
 class ClusterStartError(RuntimeError):
@@ -79,6 +89,12 @@ class Cluster:
     # --- addresses ----------------------------------------------------------------------
     @property
     def router_url(self) -> str:
+        """With ``spec.port == 0``, the URL the router reported once ready (before that the
+        ``:0`` placeholder, which nothing answers)."""
+        if self.spec.port == 0 and self.router is not None and self.router.ready_line:
+            match = _URL_RE.search(self.router.ready_line)
+            if match:
+                return match.group(0)
         return f"http://{self.spec.host}:{self.spec.port}"
 
     def children(self) -> list[ChildProcess]:
@@ -124,23 +140,24 @@ class Cluster:
 
     def _start_nats(self, deadline_s: float) -> None:
         self._store_dir = Path(tempfile.mkdtemp(prefix="fluidpd-nats-"))
-        server = LocalNatsServer.on_free_port(self._store_dir)
+        server = LocalNatsServer.on_random_port(self._store_dir)
         if self.spec.nats_auth:
             ids = tuple(worker_id for worker_id, _ in self.spec.worker_ids())
             self._users = generate_users(Subjects(), ids)
-            server = LocalNatsServer(
-                store_dir=server.store_dir,
-                port=server.port,
-                host=server.host,
-                binary=server.binary,
-                config_file=self._store_dir / "nats.conf",
-            )
+            server = dataclasses.replace(server, config_file=self._store_dir / "nats.conf")
             self._nats_server = server
             self._write_nats_config()
-        self.nats_url = server.url
         # "Server is ready" goes to stderr, merged into the pumped stdout.
         self.nats = self._child("nats", server.argv(), READY_LINE, self.spec.control_cpus)
         self._wait_for([self.nats], deadline_s)
+        port = listening_port(self.nats.tail())
+        if port is None:
+            raise ClusterStartError(f"nats-server did not log its port:\n{self.nats.tail(10)}")
+        server = dataclasses.replace(server, port=port)
+        self.nats_url = server.url
+        if self._nats_server is not None:  # later reloads write the port it really has
+            self._nats_server = server
+            self._write_nats_config()
 
     def start(self, nats_timeout_s: float = 20.0) -> None:
         """Start nats-server (unless given), controller, workers and router. Returns once
@@ -192,9 +209,9 @@ class Cluster:
         doc = server_config(
             self._users,
             host=server.host,
-            port=server.port,
+            port=server.port_arg,
             store_dir=server.store_dir,
-            name=f"fluidpd-{server.port}",
+            name=server.name,
         )
         write_server_config(server.config_file, doc)
 
@@ -290,8 +307,3 @@ class Cluster:
         if self._store_dir is not None:
             shutil.rmtree(self._store_dir, ignore_errors=True)
         return results
-
-
-def pick_port(host: str = "127.0.0.1") -> int:
-    """A free TCP port for a router (racy, like every such helper)."""
-    return free_port(host)

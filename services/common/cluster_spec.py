@@ -58,8 +58,8 @@ class ClusterSpec:
             raise ValueError("need at least one worker (prefill, decode >= 0)")
         if self.engine not in ("torch", "emulated"):
             raise ValueError("engine must be 'torch' or 'emulated'")
-        if not 0 < self.port < 65536:
-            raise ValueError("port must be in 1..65535")
+        if not 0 <= self.port < 65536:
+            raise ValueError("port must be in 0..65535 (0: the router binds a free one)")
         if self.stop_grace_s < 0:
             raise ValueError("stop_grace_s must be >= 0")
         check_cpus(self.control_cpus, "control plane CPUs")

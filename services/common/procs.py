@@ -110,6 +110,7 @@ class ChildProcess:
         self.die_with_parent = die_with_parent
         self.cpus = cpus
         self.ready = threading.Event()
+        self.ready_line: str | None = None  # the output line that set ``ready``
         self.exited = threading.Event()
         self._on_event = on_event
         self._tail: deque[str] = deque(maxlen=TAIL_LINES)
@@ -167,6 +168,7 @@ class ChildProcess:
             self._tail.append(line)
             write(line)
             if not self.ready.is_set() and self.ready_marker and self.ready_marker in line:
+                self.ready_line = line  # before set(): a waiter woken by it reads it
                 self.ready.set()
                 self._notify()
         proc.wait()

