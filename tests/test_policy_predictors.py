@@ -236,3 +236,24 @@ def test_policy_config_defaults_and_json(tmp_path) -> None:
         PolicyConfig(n_persist=0)
     with pytest.raises(PolicyConfigError):
         PolicyConfig(max_steal_ratio=1.5)
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"rules": 3}, "rules must be a string"),
+        ({"p2d_persist_while_settling": 1}, "p2d_persist_while_settling must be true or false"),
+        ({"eta": True}, "eta must be a number"),
+        ({"eta": "1.25"}, "eta must be a number"),
+        ({"settle_s": float("inf")}, "settle_s must be finite"),
+        ({"n_persist": 2.0}, "n_persist must be an int"),
+        ({"budget_context_tokens": 1.5}, "budget_context_tokens must be an int"),
+        ({"max_move_workers": 0}, "max_move_workers must be >= 1"),
+    ],
+)
+def test_policy_config_values_of_the_wrong_kind_are_named(
+    doc: dict[str, object], message: str
+) -> None:
+    """Every field is checked against its annotated type (a JSON file can hold any kind)."""
+    with pytest.raises(PolicyConfigError, match=message):
+        PolicyConfig.from_dict(doc)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.bench import crosscheck, plots, replay
+from services.bench.config_list import config_names
 from shared.engine.profiles import load_profile
 from shared.policy.config import PolicyConfig
 
@@ -38,7 +39,7 @@ def test_scaling_helpers_scale_every_time_coefficient_and_policy_time() -> None:
 
 
 def test_static_paper_is_a_replay_and_crosscheck_configuration() -> None:
-    assert "static-paper" in replay.configs_of("all")
+    assert "static-paper" in config_names("all", replay.CONFIGS)
     assert crosscheck.parse_points("static-paper:25,full:25") == [
         ("static-paper", 25.0),
         ("full", 25.0),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from services.bench import sim_sweep
+from services.bench.config_list import config_names
 from services.bench.sim import base_config
 from services.bench.sim import parse_args as sim_args
 from services.controller.__main__ import config_from_args
@@ -175,3 +176,13 @@ def test_a_cell_gets_only_the_reused_rows_of_its_own_trace() -> None:
     ]
     reused = {k: {"n": i} for i, k in enumerate(keys)}
     assert sim_sweep.reused_for(cell, reused) == {keys[0]: {"n": 0}, keys[1]: {"n": 1}}
+
+
+def test_config_lists_parse_the_same_way_in_every_benchmark() -> None:
+    known = ("static", "full", "oracle")
+    assert config_names("all", known) == ["static", "full", "oracle"]
+    assert config_names(" full , static,", known) == ["full", "static"]  # order as given
+    with pytest.raises(ValueError, match="unknown config 'bogus'; known: static, full, oracle"):
+        config_names("full,bogus", known)
+    with pytest.raises(ValueError, match="no config named"):
+        config_names(" , ", known)

@@ -38,6 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from services.bench.config_list import config_names
 from services.bench.loadgen import PlannedRequest
 from services.bench.replay_run import RunSpec, run_once
 from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, window_of, workload_from_args
@@ -148,14 +149,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def configs_of(text: str) -> list[str]:
-    names = list(CONFIGS) if text == "all" else [c.strip() for c in text.split(",") if c.strip()]
-    for n in names:
-        if n not in CONFIGS:
-            raise ValueError(f"unknown config {n!r}; known: {', '.join(CONFIGS)}")
-    return names
-
-
 def plan_of(args: argparse.Namespace, rps: float) -> list[PlannedRequest]:
     trace = workload_from_args(args, rps, time_scale=args.time_scale)
     return [
@@ -261,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         expire_margin_s=args.expire_margin_s,
         paper_rules=args.policy == PAPER,
     )
-    names = ["external"] if args.url else configs_of(args.config)
+    names = ["external"] if args.url else config_names(args.config, CONFIGS)
     results: dict[str, dict[str, Any]] = {}
     for rps in [float(r) for r in args.rps.split(",") if r.strip()]:
         plan = plan_of(args, rps)

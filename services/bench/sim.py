@@ -23,14 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.bench.config_list import ALL, config_names
 from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, window_of, workload_from_args
 from services.sim.config import CONFIGS, ORACLE, SimConfig
 from services.sim.run import run_config
 from shared.engine.profiles import DEFAULT_PROFILE, load_profile
 from shared.policy.admission import SheddingConfig
 from shared.policy.config import ADAPTIVE, PAPER, RULE_SETS, PolicyConfig
-
-ALL = "all"
 
 
 def add_cluster_args(ap: argparse.ArgumentParser) -> None:
@@ -133,14 +132,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def configs_of(text: str) -> list[str]:
-    names = [*CONFIGS, ORACLE] if text == ALL else [c.strip() for c in text.split(",") if c]
-    for name in names:
-        if name not in (*CONFIGS, ORACLE):
-            raise ValueError(f"unknown config {name!r}; known: {', '.join((*CONFIGS, ORACLE))}")
-    return names
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     profile = load_profile(args.profile)
@@ -164,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.workload == STAGED:
             for t in trace:
                 starts.setdefault(window_of(t), t.arrival_s)
-        for name in configs_of(args.config):
+        for name in config_names(args.config, (*CONFIGS, ORACLE)):
             t0 = time.perf_counter()
             # azure-mixed has one window: its oracle is the best single static split.
             res = run_config(trace, name, base, profile)

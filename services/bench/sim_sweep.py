@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.bench.config_list import config_names
 from services.bench.sim import add_cluster_args, base_config
 
 # The verdict over the cells; importable from here too.
@@ -100,10 +101,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if a.jobs not in (1, 2):
         ap.error("--jobs must be 1 or 2")
-    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
-    unknown = sorted(set(configs) - set(CONFIGS))
-    if unknown or not configs:
-        ap.error(f"--configs: unknown {unknown}; known: {list(CONFIGS)}")
+    try:
+        configs = config_names(a.configs, CONFIGS)
+    except ValueError as exc:
+        ap.error(f"--configs: {exc}")
     if set(configs) != set(CONFIGS) and not a.reuse and not a.summarize:
         ap.error("--configs with fewer than all configurations needs --reuse FILE")
     a.configs = tuple(c for c in CONFIGS if c in configs)

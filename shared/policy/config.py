@@ -22,8 +22,6 @@ from shared.policy.errors import PolicyConfigError
 PAPER = "paper"
 ADAPTIVE = "adaptive"
 RULE_SETS = (ADAPTIVE, PAPER)
-_STRINGS = ("model", "rules")
-_BOOLS = ("p2d_persist_while_settling",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,19 +108,21 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in _STRINGS:
+            # Each field's type is its annotation (a string: postponed annotations), so a
+            # JSON value of the wrong kind is caught here, whatever the field.
+            value, kind = getattr(self, f.name), str(f.type)
+            if kind == "str":
                 if not isinstance(value, str):
                     raise PolicyConfigError(f"policy config: {f.name} must be a string")
-                continue
-            if f.name in _BOOLS:
+            elif kind == "bool":
                 if not isinstance(value, bool):
                     raise PolicyConfigError(f"policy config: {f.name} must be true or false")
-                continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            elif isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise PolicyConfigError(f"policy config: {f.name} must be a number")
-            if not math.isfinite(value):
+            elif not math.isfinite(value):
                 raise PolicyConfigError(f"policy config: {f.name} must be finite")
+            elif kind == "int" and not isinstance(value, int):
+                raise PolicyConfigError(f"policy config: {f.name} must be an int")
         positive = (
             "ttft_ms",
             "tpot_ms",
@@ -156,12 +156,12 @@ class PolicyConfig:
             raise PolicyConfigError("policy config: ppi_low must not exceed ppi_high")
         if self.rules not in RULE_SETS:
             raise PolicyConfigError(f"policy config: rules must be one of {list(RULE_SETS)}")
-        if not isinstance(self.max_move_workers, int) or self.max_move_workers < 1:
-            raise PolicyConfigError("policy config: max_move_workers must be an int >= 1")
-        if not isinstance(self.n_persist, int) or self.n_persist < 1:
-            raise PolicyConfigError("policy config: n_persist must be an int >= 1")
-        if not isinstance(self.n_persist_blocked, int) or self.n_persist_blocked < 1:
-            raise PolicyConfigError("policy config: n_persist_blocked must be an int >= 1")
+        if self.max_move_workers < 1:
+            raise PolicyConfigError("policy config: max_move_workers must be >= 1")
+        if self.n_persist < 1:
+            raise PolicyConfigError("policy config: n_persist must be >= 1")
+        if self.n_persist_blocked < 1:
+            raise PolicyConfigError("policy config: n_persist_blocked must be >= 1")
         if self.d2p_load_margin < 0:
             raise PolicyConfigError("policy config: d2p_load_margin must be >= 0")
         if self.p2d_load_trigger != 0 and self.p2d_load_trigger <= self.dpi_load_high:
@@ -174,8 +174,6 @@ class PolicyConfig:
             raise PolicyConfigError("policy config: decode_fill_target must be in (0, 1]")
         if not 0.0 <= self.adm_smoothing_q <= 100.0:
             raise PolicyConfigError("policy config: adm_smoothing_q must be in [0, 100]")
-        if not isinstance(self.budget_context_tokens, int):
-            raise PolicyConfigError("policy config: budget_context_tokens must be an int")
 
     @property
     def ttft_s(self) -> float:
