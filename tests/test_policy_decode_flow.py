@@ -37,12 +37,23 @@ def test_steady_flow_forecasts_the_backlog_and_a_filling_one_more() -> None:
     assert DecodeFlow(entered=900, left=1, mean_backlog=10, max_ratio=3).requests == 30
 
 
+def test_a_draining_flow_forecasts_no_more_than_the_backlog_now() -> None:
+    # More left than entered: the backlog falls, so the window's mean (which still holds the
+    # earlier, larger backlog) times the ratio over-states where it goes: the backlog now caps it.
+    assert DecodeFlow(entered=40, left=50, mean_backlog=90, backlog_now=20).requests == 20
+    assert DecodeFlow(entered=0, left=50, mean_backlog=40, backlog_now=3).requests == 3
+    # Below the backlog now the forecast stands; a filling flow is never capped by it.
+    assert DecodeFlow(entered=25, left=50, mean_backlog=40, backlog_now=30).requests == 20
+    assert DecodeFlow(entered=100, left=50, mean_backlog=40, backlog_now=10).requests == 80
+    assert DecodeFlow(entered=50, left=50, mean_backlog=40, backlog_now=10).requests == 40
+
+
 def test_meter_sums_increments_per_worker_and_windows_them() -> None:
     meter = DecodeFlowMeter(window_s=10.0)
     # First reports only set baselines (their history is not this window's flow).
     meter.observe("d0", FlowCounters(entered=500, left=480))
     meter.observe("d1", FlowCounters(entered=7, left=7))
-    assert meter.sample(0.0, backlog=20) == DecodeFlow(0, 0, 20, 4.0)
+    assert meter.sample(0.0, backlog=20) == DecodeFlow(0, 0, 20, 4.0, backlog_now=20)
     meter.observe("d0", FlowCounters(entered=530, left=490))
     meter.observe("d1", FlowCounters(entered=17, left=12))
     flow = meter.sample(5.0, backlog=40)
@@ -111,8 +122,42 @@ def test_decide_refuses_a_d2p_move_while_decode_fills() -> None:
         return policy.decide(filling, 1.0)
 
     d = after_baseline(CFG)
-    assert d.decode_flow == DecodeFlow(entered=400, left=100, mean_backlog=60)
+    assert d.decode_flow == DecodeFlow(entered=400, left=100, mean_backlog=60, backlog_now=60)
     assert (d.recommendation, d.action, d.reason) == (D2P, NONE, "decode_headroom")
     # With the forecast off in the config, the flow is ignored.
     d = after_baseline(PolicyConfig(n_persist=1, decode_flow_window_s=0.0))
     assert (d.action, len(d.worker_ids)) == (D2P, 2)
+
+
+def _draining(running: int, entered: float, left: float) -> ClusterSnapshot:
+    prefill = tuple(WorkerView(f"p{i}", PREFILL, ppi_p95=2.0) for i in range(4))
+    decode = tuple(
+        WorkerView(
+            f"d{i}",
+            DECODE,
+            dpi_load=0.1,
+            dpi_adm=0.01,
+            active_decode_requests=running,
+            max_decode_requests=64,
+            decode_counters=FlowCounters(entered, left),
+        )
+        for i in range(4)
+    )
+    return ClusterSnapshot(prefill + decode)
+
+
+def test_decide_sizes_a_d2p_move_by_where_a_draining_decode_is_going() -> None:
+    """A stage edge: decode held 160 requests a second ago and drains (40 in, 50 out per
+    worker), 20 remain. The window's mean backlog (90) times the ratio (0.8) would forecast
+    72 and allow one move (90 at 5P needs 2 of 3 decode workers; 2 moves need 3 of 2); the
+    backlog now caps the forecast at 20, and the PPI gap's whole move (capped at 3) goes."""
+    policy = RolePolicy(CFG)
+    policy.paused = True
+    policy.decide(_draining(running=40, entered=0.0, left=0.0), 0.0)  # the meter's baseline
+    policy.paused = False
+    d = policy.decide(_draining(running=5, entered=40.0, left=50.0), 1.0)
+    assert d.decode_flow == DecodeFlow(entered=160, left=200, mean_backlog=90, backlog_now=20)
+    assert d.decode_flow.requests == 20
+    assert (d.action, d.worker_ids) == (D2P, ("d0", "d1", "d2"))
+    uncapped = DecodeDemand(requests=20, slots_per_worker=64, forecast_requests=72.0)
+    assert move_size(D2P, 2.0, 0.1, 0.01, 4, 4, CFG, demand=uncapped) == 1

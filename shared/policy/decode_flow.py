@@ -13,6 +13,12 @@ biased to the short requests early in a ramp), so L = N̄ · λ_in / λ_out — 
 over the window scaled by how much faster requests enter decode than they leave it. In a
 steady state the ratio is 1 and L = N̄; while decode fills, L > N̄.
 
+While decode drains (λ_in < λ_out) the forecast is capped at the backlog now: the backlog
+is falling, and N̄ still holds the window's earlier, larger backlog. Without the cap, at a
+stage edge from conversation to code the forecast kept the conversation stage's decode
+backlog for a whole window and held the first D→P move to one worker, then a settle, while
+the code stage's prefill queue grew (docs/results.md, Session 17).
+
 Inputs: every worker's cumulative counters ``decode_entered_total`` and ``decode_left_total``
 (telemetry metrics: a request enters when its KV is installed, by a prefill hand-off or a
 migration, and leaves when it finishes, is cancelled or migrates away) and the backlog N at
@@ -40,15 +46,22 @@ class DecodeFlow:
     left: float = 0.0
     mean_backlog: float = 0.0
     max_ratio: float = MAX_FLOW_RATIO
+    backlog_now: float | None = None  # the backlog at the window's last sample
 
     @property
     def requests(self) -> float:
         """The forecast backlog N̄ · λ_in / λ_out; the ratio is capped at ``max_ratio`` (also
-        when nothing left yet: then decode is filling at an unknown rate)."""
+        when nothing left yet: then decode is filling at an unknown rate). While decode
+        drains (more left than entered) the backlog falls, so the forecast is at most the
+        backlog now: N̄ still carries the window's earlier, larger backlog."""
         if self.entered <= 0:
-            return self.mean_backlog
-        ratio = self.entered / self.left if self.left > 0 else self.max_ratio
-        return self.mean_backlog * min(max(ratio, 0.0), self.max_ratio)
+            forecast = self.mean_backlog
+        else:
+            ratio = self.entered / self.left if self.left > 0 else self.max_ratio
+            forecast = self.mean_backlog * min(max(ratio, 0.0), self.max_ratio)
+        if self.backlog_now is not None and self.left > self.entered:
+            return min(forecast, self.backlog_now)
+        return forecast
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,4 +104,4 @@ class DecodeFlowMeter:
             samples.popleft()
         _, e0, l0, _ = samples[0]
         mean_backlog = sum(s[3] for s in samples) / len(samples)
-        return DecodeFlow(self._entered - e0, self._left - l0, mean_backlog)
+        return DecodeFlow(self._entered - e0, self._left - l0, mean_backlog, backlog_now=backlog)
