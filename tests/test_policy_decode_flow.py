@@ -89,14 +89,16 @@ def test_d2p_bound_reads_the_forecast_scaled_for_the_prefill_it_adds() -> None:
     assert move_size(D2P, 2.0, 0.1, 0.05, 4, 4, CFG, demand=heavy) == 0
 
 
-def _cluster(running: int, entered: float = 0.0, left: float = 0.0) -> ClusterSnapshot:
+def _cluster(
+    running: int, entered: float = 0.0, left: float = 0.0, dpi_adm: float = 0.05
+) -> ClusterSnapshot:
     prefill = tuple(WorkerView(f"p{i}", PREFILL, ppi_p95=2.0) for i in range(4))
     decode = tuple(
         WorkerView(
             f"d{i}",
             DECODE,
             dpi_load=0.1,
-            dpi_adm=0.05,
+            dpi_adm=dpi_adm,
             active_decode_requests=running,
             max_decode_requests=64,
             decode_counters=FlowCounters(entered, left),
@@ -129,23 +131,6 @@ def test_decide_refuses_a_d2p_move_while_decode_fills() -> None:
     assert (d.action, len(d.worker_ids)) == (D2P, 2)
 
 
-def _draining(running: int, entered: float, left: float) -> ClusterSnapshot:
-    prefill = tuple(WorkerView(f"p{i}", PREFILL, ppi_p95=2.0) for i in range(4))
-    decode = tuple(
-        WorkerView(
-            f"d{i}",
-            DECODE,
-            dpi_load=0.1,
-            dpi_adm=0.01,
-            active_decode_requests=running,
-            max_decode_requests=64,
-            decode_counters=FlowCounters(entered, left),
-        )
-        for i in range(4)
-    )
-    return ClusterSnapshot(prefill + decode)
-
-
 def test_decide_sizes_a_d2p_move_by_where_a_draining_decode_is_going() -> None:
     """A stage edge: decode held 160 requests a second ago and drains (40 in, 50 out per
     worker), 20 remain. The window's mean backlog (90) times the ratio (0.8) would forecast
@@ -153,9 +138,9 @@ def test_decide_sizes_a_d2p_move_by_where_a_draining_decode_is_going() -> None:
     backlog now caps the forecast at 20, and the PPI gap's whole move (capped at 3) goes."""
     policy = RolePolicy(CFG)
     policy.paused = True
-    policy.decide(_draining(running=40, entered=0.0, left=0.0), 0.0)  # the meter's baseline
+    policy.decide(_cluster(running=40, dpi_adm=0.01), 0.0)  # the meter's baseline
     policy.paused = False
-    d = policy.decide(_draining(running=5, entered=40.0, left=50.0), 1.0)
+    d = policy.decide(_cluster(running=5, entered=40.0, left=50.0, dpi_adm=0.01), 1.0)
     assert d.decode_flow == DecodeFlow(entered=160, left=200, mean_backlog=90, backlog_now=20)
     assert d.decode_flow.requests == 20
     assert (d.action, d.worker_ids) == (D2P, ("d0", "d1", "d2"))
