@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -43,6 +42,7 @@ from services.common.cluster_commands import (
     WORKER_READY,
     controller_argv,
     router_argv,
+    router_url_of,
     worker_argv,
 )
 from services.common.cluster_spec import ClusterSpec
@@ -59,9 +59,6 @@ from services.common.nats_server import READY_LINE, LocalNatsServer, listening_p
 from services.common.procs import ChildProcess, LogSink, stop_all
 from shared.messages.subjects import Subjects
 from shared.policy.roles import Role
-
-# The router's ready line carries the URL it listens on (plain or JSON log format).
-_URL_RE = re.compile(r"https?://[^\s\"',]+")
 
 
 class ClusterStartError(RuntimeError):
@@ -92,9 +89,9 @@ class Cluster:
         """With ``spec.port == 0``, the URL the router reported once ready (before that the
         ``:0`` placeholder, which nothing answers)."""
         if self.spec.port == 0 and self.router is not None and self.router.ready_line:
-            match = _URL_RE.search(self.router.ready_line)
-            if match:
-                return match.group(0)
+            url = router_url_of(self.router.ready_line)
+            if url:
+                return url
         return f"http://{self.spec.host}:{self.spec.port}"
 
     def children(self) -> list[ChildProcess]:
@@ -155,9 +152,8 @@ class Cluster:
             raise ClusterStartError(f"nats-server did not log its port:\n{self.nats.tail(10)}")
         server = dataclasses.replace(server, port=port)
         self.nats_url = server.url
-        if self._nats_server is not None:  # later reloads write the port it really has
+        if self._nats_server is not None:  # a reload rewrites the config with the real port
             self._nats_server = server
-            self._write_nats_config()
 
     def start(self, nats_timeout_s: float = 20.0) -> None:
         """Start nats-server (unless given), controller, workers and router. Returns once

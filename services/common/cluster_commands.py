@@ -6,12 +6,23 @@ Pure functions: nothing here starts a process or reads the environment.
 
 from __future__ import annotations
 
+import re
+
 from services.common.cluster_spec import ClusterSpec
 from shared.policy.roles import Role
 
 WORKER_READY = "worker_ready"
 ROUTER_READY = "router_ready"
 CONTROLLER_READY = "controller_ready"
+# The router's ready line carries the URL it listens on (plain or JSON log format).
+_URL_RE = re.compile(r"https?://[^\s\"',]+")
+
+
+def router_url_of(ready_line: str) -> str | None:
+    """The URL in the router's ready line (``router_ready url=http://HOST:PORT``, or the
+    same in a JSON log line); None when there is none. Pure."""
+    match = _URL_RE.search(ready_line)
+    return match.group(0) if match else None
 
 
 def _log_flags(spec: ClusterSpec) -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.bus_client import BenchBusClient
+from services.common.cluster_commands import router_url_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,8 +96,9 @@ def start_router(
     )
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()  # blocks until the router is listening
-    assert line.startswith("router_ready url=http://127.0.0.1:"), line
-    return proc, line.split("url=", 1)[1].strip()
+    url = router_url_of(line) if line.startswith("router_ready") else None
+    assert url is not None and url.startswith("http://127.0.0.1:"), line
+    return proc, url
 
 
 def wait_healthy(base_url: str, timeout_s: float = 60.0) -> None:
