@@ -141,7 +141,10 @@ async def test_decode_wait_timeout_ends_a_request_with_a_clear_error(
     await client.wait_telemetry(lambda t: _metric(t, "p1", "decode_wait_timeouts_total") == 1, 10.0)
     await client.cancel(holder, ["p0", "d0"])
     await client.wait_telemetry(_idle, 30.0)
-    assert client.results[holder].finish_reason is None  # cancelled, never failed
+    # The holder held d0's one slot through p1's timeout; on a slow host it may finish
+    # its 400 tokens before the cancel lands. Either way it never fails.
+    done = client.results[holder]
+    assert done.finish_reason in (None, "length") and done.error is None, done.error
 
 
 async def test_a_waiting_request_is_re_paired_to_a_decode_worker_with_room(
