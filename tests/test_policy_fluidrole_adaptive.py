@@ -251,3 +251,35 @@ def test_p2d_persist_while_settling_must_be_a_bool() -> None:
         PolicyConfig(p2d_persist_while_settling=1)  # type: ignore[arg-type]
     doc = PolicyConfig(p2d_persist_while_settling=False).to_dict()
     assert PolicyConfig.from_dict(doc).p2d_persist_while_settling is False
+
+
+def test_a_move_back_to_decode_while_decode_binds_needs_no_persistence() -> None:
+    # 7P1D after a late D->P at a stage edge: the one decode worker's 64 slots are taken and
+    # `waiting` more wait for admission. While decode binds (backlog over every slot) a P->D
+    # fires on the first interval its wait allows; a full decode that does not bind, and
+    # PAPER, still count n_persist intervals.
+    cfg = dataclasses.replace(CFG, n_persist=3, max_move_workers=1)
+    assert cfg.n_persist_binds == 1
+
+    def saturated(waiting: int) -> ClusterSnapshot:
+        decode = WorkerView(
+            "d0",
+            DECODE,
+            dpi_load=1.0,
+            dpi_adm=1.0,
+            active_decode_requests=64,
+            decode_waiting=waiting,
+            max_decode_requests=64,
+        )
+        return ClusterSnapshot((*(pw(f"p{i}", 0.1) for i in range(7)), decode))
+
+    def moves(cfg: PolicyConfig, snap: ClusterSnapshot) -> list[int]:
+        policy = RolePolicy(cfg)
+        return [t for t in range(4) if policy.decide(snap, float(t)).switches]
+
+    assert moves(cfg, saturated(30)) == [0]  # binds: at once
+    assert moves(cfg, saturated(0)) == [2]  # full, not short: 3 intervals
+    assert moves(dataclasses.replace(cfg, n_persist_binds=3), saturated(30)) == [2]
+    assert moves(dataclasses.replace(cfg, rules=PAPER), saturated(30)) == [2]
+    with pytest.raises(PolicyConfigError, match="n_persist_binds"):
+        PolicyConfig(n_persist_binds=0)

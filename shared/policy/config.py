@@ -98,6 +98,13 @@ class PolicyConfig:
     # ADAPTIVE only: decision intervals "decode admission blocks prefill" must hold. The
     # smoothed DPI̅_adm already needs half the window saturated, so 1 adds no extra delay.
     n_persist_blocked: int = 1
+    # ADAPTIVE only: decision intervals a P->D recommendation must hold while decode binds
+    # (its backlog, or where the decode flow settles, exceeds every decode slot): the
+    # signal is then unambiguous — computed prompts wait for a slot and the router sheds on
+    # the decode backlog — and each interval of persistence sheds an interval of arrivals
+    # (1,500-request azure-staged, 35 rps: 3 intervals cost 2-4 pp at every stage edge
+    # into conversation; docs/results.md Session 18).
+    n_persist_binds: int = 1
     # ADAPTIVE only (shared/policy/decode_flow.py): the decode backlog FluidRole sizes moves
     # against is at least the forecast N̄·λ_in/λ_out over this window (Little's law: where
     # the flow entering decode settles), scaled for a D->P move of k by (|P| + k)/|P| (more
@@ -162,6 +169,8 @@ class PolicyConfig:
             raise PolicyConfigError("policy config: n_persist must be >= 1")
         if self.n_persist_blocked < 1:
             raise PolicyConfigError("policy config: n_persist_blocked must be >= 1")
+        if self.n_persist_binds < 1:
+            raise PolicyConfigError("policy config: n_persist_binds must be >= 1")
         if self.d2p_load_margin < 0:
             raise PolicyConfigError("policy config: d2p_load_margin must be >= 0")
         if self.p2d_load_trigger != 0 and self.p2d_load_trigger <= self.dpi_load_high:

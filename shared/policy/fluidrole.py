@@ -42,7 +42,10 @@ Rules, in the order they are checked:
    recommend nothing, ADAPTIVE reads them again with PPI̅ as it is now (``prefill_ppi_now``:
    the prefill workers' latest PPI) and takes a P→D answer (eq. 20's window keeps a
    drained queue's peak for ``window_s``); D→P still needs the windowed PPI̅.
-6. the same recommendation must hold for N_persist consecutive intervals.
+6. the same recommendation must hold for N_persist consecutive intervals. ADAPTIVE:
+   ``n_persist_blocked`` for ``decode_admission_blocks_prefill``, and ``n_persist_binds``
+   (1) for any P→D while decode binds (``DecodeDemand.binds``: computed prompts wait for
+   decode slots and the router sheds on the decode backlog, so waiting only sheds more).
 7. never empty a role: the source role needs >= 2 Active workers (and keeps >= 1).
 8. PAPER moves one worker, ADAPTIVE ``move_size`` workers (possibly none: D→P
    ``decode_headroom`` — the decode side's predicted load after even one move is too high,
@@ -264,6 +267,8 @@ class RolePolicy:
             return out(NONE, gate)
         blocked = cfg.rules != PAPER and reason == "decode_admission_blocks_prefill"
         n_persist = cfg.n_persist_blocked if blocked else cfg.n_persist
+        if cfg.rules != PAPER and rec == P2D and demand.binds(n_d):
+            n_persist = min(n_persist, cfg.n_persist_binds)  # decode binds: unambiguous
         if self._count < n_persist:
             return out(NONE, f"persisting_{self._count}_of_{n_persist}")
         source_active = n_d if rec == D2P else n_p
