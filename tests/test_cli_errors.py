@@ -50,6 +50,16 @@ def _fluidpd(*args: str, env: dict[str, str] | None = None) -> subprocess.Comple
         (("calibrate", "--model", "/nonexistent/model"), "fluidpd calibrate", "no such file"),
         (("bench", "replay", "--config", "bogus"), "fluidpd bench replay", "'bogus'"),
         (("bench", "sim", "--config", "bogus"), "fluidpd bench sim", "'bogus'"),
+        (
+            ("bench", "sim", "--policy-config", "/nonexistent/policy.json"),
+            "fluidpd bench sim",
+            "/nonexistent/policy.json",
+        ),
+        (
+            ("bench", "sim-sweep", "--policy-config", "/dev/null"),
+            "fluidpd bench sim-sweep",
+            "policy config is not JSON",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: tuple[str, ...], prog: str, says: str) -> None:

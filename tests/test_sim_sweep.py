@@ -14,7 +14,7 @@ from services.bench.sim import base_config
 from services.bench.sim import parse_args as sim_args
 from services.controller.__main__ import config_from_args
 from services.controller.__main__ import main as controller_main
-from shared.policy.config import ADAPTIVE, PAPER
+from shared.policy.config import ADAPTIVE, PAPER, PolicyConfig
 
 
 def row(full: float, oracle: float, tuned: bool = True, rps: float = 30.0) -> dict[str, object]:
@@ -130,6 +130,24 @@ def test_rule_set_flags() -> None:
     assert paper.policy.rules == PAPER and not paper.migrate_on_drain  # drain by waiting
     off = base_config(sim_args(["--shed-ttft-multiple", "0", "--expire-margin-s", "-1"]))
     assert not off.shedding.sheds and off.shedding.expire_margin_s is None
+
+
+def test_a_policy_config_file_is_a_variant_and_the_flags_given_override_it(
+    tmp_path: Path,
+) -> None:
+    # What the controller's --policy-config takes, for bench sim / sim-sweep: a variant of
+    # the policy is a file, not a script. --policy and the SLO flags apply on top only when
+    # they are given.
+    path = tmp_path / "variant.json"
+    path.write_text(json.dumps({"n_persist_binds": 3, "rules": PAPER, "ttft_ms": 1500.0}))
+    variant = base_config(sim_args(["--policy-config", str(path)])).policy
+    assert (variant.n_persist_binds, variant.rules, variant.ttft_ms) == (3, PAPER, 1500.0)
+    assert variant.tpot_ms == PolicyConfig().tpot_ms
+    args = ["--policy-config", str(path), "--policy", "adaptive", "--slo-ttft-ms", "900"]
+    over = base_config(sim_args(args))
+    assert over.policy.rules == ADAPTIVE and over.policy.ttft_ms == 900.0
+    assert over.policy.n_persist_binds == 3 and over.migrate_on_drain
+    assert base_config(sim_args([])).policy == PolicyConfig()
 
 
 def test_a_partial_rerun_takes_the_other_configurations_from_an_earlier_sweep(

@@ -25,11 +25,12 @@ from typing import Any
 
 from services.bench.config_list import ALL, config_names
 from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, window_of, workload_from_args
+from services.cli.run_command import run_command
 from services.sim.config import CONFIGS, ORACLE, SimConfig
 from services.sim.run import run_config
 from shared.engine.profiles import DEFAULT_PROFILE, load_profile
 from shared.policy.admission import SheddingConfig
-from shared.policy.config import ADAPTIVE, PAPER, RULE_SETS, PolicyConfig
+from shared.policy.config import PAPER, RULE_SETS, PolicyConfig
 
 
 def add_cluster_args(ap: argparse.ArgumentParser) -> None:
@@ -38,17 +39,23 @@ def add_cluster_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=None)
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--prefill-workers", type=int, default=0, help="initial; 0 = half")
-    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    ap.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    ap.add_argument(
+        "--policy-config",
+        default="",
+        help="PolicyConfig JSON file, as the controller's (a policy variant); --policy and "
+        "the SLO flags, when given, override its fields",
+    )
+    ap.add_argument("--slo-ttft-ms", type=float, default=None, help="default: 2000")
+    ap.add_argument("--slo-tpot-ms", type=float, default=None, help="default: 100")
     ap.add_argument("--profile", default=DEFAULT_PROFILE, help="shipped profile name or path")
     ap.add_argument("--max-num-seqs", type=int, default=SimConfig.max_num_seqs)
     ap.add_argument("--kv-gbps", type=float, default=25.0, help="KV link, GB/s")
     ap.add_argument(
         "--policy",
         choices=RULE_SETS,
-        default=ADAPTIVE,
-        help="FluidRole rule set (paper: eq. 22-23 literally, one worker per decision, fixed "
-        "cooldown, D->P drains by waiting)",
+        default=None,
+        help="FluidRole rule set (default adaptive; paper: eq. 22-23 literally, one worker "
+        "per decision, fixed cooldown, D->P drains by waiting)",
     )
     ap.add_argument(
         "--no-migrate",
@@ -87,9 +94,23 @@ def add_cluster_args(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def policy_config(args: argparse.Namespace) -> PolicyConfig:
+    """``--policy-config`` (or the defaults) with ``--policy`` and the SLO flags that were
+    given on top. Raises PolicyConfigError (a bad file or value) or OSError (no file)."""
+    policy = PolicyConfig.load(args.policy_config) if args.policy_config else PolicyConfig()
+    given = {
+        "ttft_ms": args.slo_ttft_ms,
+        "tpot_ms": args.slo_tpot_ms,
+        "rules": args.policy,
+    }
+    overrides = {k: v for k, v in given.items() if v is not None}
+    return PolicyConfig.from_dict({**policy.to_dict(), **overrides}) if overrides else policy
+
+
 def base_config(args: argparse.Namespace) -> SimConfig:
-    """The SimConfig the cluster flags describe. Raises SimConfigError/PolicyConfigError."""
-    policy = PolicyConfig(ttft_ms=args.slo_ttft_ms, tpot_ms=args.slo_tpot_ms, rules=args.policy)
+    """The SimConfig the cluster flags describe. Raises SimConfigError/PolicyConfigError,
+    OSError (a --policy-config file that cannot be read)."""
+    policy = policy_config(args)
     margin = args.expire_margin_s
     return SimConfig(
         workers=args.workers,
@@ -98,7 +119,7 @@ def base_config(args: argparse.Namespace) -> SimConfig:
         max_num_seqs=args.max_num_seqs,
         kv_bandwidth_bytes_per_s=args.kv_gbps * 1e9,
         # The paper drains a D→P worker by waiting for its decodes.
-        migrate_on_drain=args.migrate and args.policy != PAPER,
+        migrate_on_drain=args.migrate and policy.rules != PAPER,
         first_token_via_decode=args.first_token_via_decode,
         queue_timeout_s=args.queue_timeout_s,
         shedding=SheddingConfig(
@@ -135,11 +156,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     profile = load_profile(args.profile)
-    try:
-        base = base_config(args)
-    except ValueError as exc:  # SimConfigError, PolicyConfigError
-        print(f"fluidpd bench sim: {exc}", file=sys.stderr)
-        return 2
+    base = base_config(args)  # bad input: run_command's one line, exit 2
     policy = base.policy
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None:
@@ -196,10 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "sim",
         "workload": args.workload,
         "workers": args.workers,
-        "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
+        "slo": {"ttft_ms": policy.ttft_ms, "tpot_ms": policy.tpot_ms},
         "profile": f"{profile.model} on {profile.hardware}",
         "max_num_seqs": args.max_num_seqs,
-        "policy": args.policy,
+        "policy": policy.rules,
+        "policy_config": args.policy_config or None,
         "shedding": {
             "ttft_multiple": base.shedding.ttft_multiple,
             "expire_margin_s": base.shedding.expire_margin_s,
@@ -212,4 +230,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("fluidpd bench sim", main, sys.argv[1:]))

@@ -47,6 +47,7 @@ from services.bench.sweep_summary import SLACK_PP as SLACK_PP
 from services.bench.sweep_summary import cell_goal_ok as cell_goal_ok
 from services.bench.sweep_summary import summarize as summarize
 from services.bench.workloads import MIXED, POISSON, STAGED, WORKLOADS, build_workload
+from services.cli.run_command import run_command
 from services.sim.config import FULL, ORACLE, STATIC, STATIC_PAPER, STATIC_PRESSURE, SimConfig
 from services.sim.run import run_config
 from shared.engine.profiles import load_profile
@@ -216,11 +217,7 @@ def run_cell(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    try:
-        base = base_config(args)
-    except ValueError as exc:
-        print(f"fluidpd bench sim-sweep: {exc}", file=sys.stderr)
-        return 2
+    base = base_config(args)  # bad input: run_command's one line, exit 2
     if args.summarize:
         rows_in = load_rows(args.summarize)
         print(json.dumps({"bench": "sim-sweep", "cells": len(rows_in), **summarize(rows_in)}))
@@ -271,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "bench": "sim-sweep",
         "cells": len(rows),
-        "policy": args.policy,
+        "policy": base.policy.rules,
+        "policy_config": args.policy_config or None,
         "shedding": {
             "ttft_multiple": base.shedding.ttft_multiple,
             "expire_margin_s": base.shedding.expire_margin_s,
@@ -291,4 +289,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_command("fluidpd bench sim-sweep", main, sys.argv[1:]))
