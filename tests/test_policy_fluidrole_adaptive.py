@@ -283,3 +283,24 @@ def test_a_move_back_to_decode_while_decode_binds_needs_no_persistence() -> None
     assert moves(dataclasses.replace(cfg, rules=PAPER), saturated(30)) == [2]
     with pytest.raises(PolicyConfigError, match="n_persist_binds"):
         PolicyConfig(n_persist_binds=0)
+
+
+def test_a_d2p_move_its_bounds_cut_short_is_followed_without_settling() -> None:
+    # PPI̅ 3.0 on 4P asks for max_move_workers (2); at DPI̅_load 0.35 the decode load bound
+    # lets one go (4·0.35/(4−k) < 0.6). Once the decode backlog drains (load 0.1) the rest
+    # follows at the next decision, not after settle_s; a move of the whole gap settles.
+    cfg = dataclasses.replace(CFG, n_persist=1, max_move_workers=2)
+    assert cfg.d2p_follow_shortfall
+
+    def run(cfg: PolicyConfig, first_load: float) -> tuple[int, list[int]]:
+        policy = RolePolicy(cfg)
+        first = policy.decide(cluster(ppi=3.0, load=first_load, adm=0.1), 0.0)
+        moved = len(first.worker_ids)
+        after = cluster(ppi=3.0, load=0.1, adm=0.1, n_p=4 + moved, n_d=4 - moved)
+        return moved, [t for t in range(1, 9) if policy.decide(after, float(t)).switches][:1]
+
+    assert run(cfg, 0.35) == (1, [1])  # cut short by the decode load bound: at once
+    assert run(dataclasses.replace(cfg, d2p_follow_shortfall=False), 0.35) == (1, [6])
+    assert run(cfg, 0.1) == (2, [6])  # the whole (capped) gap moved: it settles
+    with pytest.raises(PolicyConfigError, match="d2p_follow_shortfall"):
+        PolicyConfig(d2p_follow_shortfall=1)  # type: ignore[arg-type]

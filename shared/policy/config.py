@@ -63,6 +63,16 @@ class PolicyConfig:
     # cells lost the goal on that lag). A D->P follow-up still counts after the settle:
     # moving sooner overshoots at short stages (1,500-request staged set: -5.5 pp).
     p2d_persist_while_settling: bool = True
+    # ADAPTIVE only: a D->P move its bounds cut short (the decode side's load, admission or
+    # backlog bound let fewer workers go than PPI's gap asks) is followed without settle_s:
+    # the settle lets a move's effect show before judging it, but the gap left was known at
+    # the decision, and what holds it back is the decode backlog draining, which the bounds
+    # re-check at every decision. Persistence still counts (n_persist intervals). At a
+    # stage edge from conversation to code the first move was bound by the conversation
+    # backlog and the rest waited a settle while that backlog drained within 3 s
+    # (1,500-request azure-staged, 35 rps: 4P4D -> 5P3D, 7P1D 8 s later in a 14 s stage;
+    # docs/results.md Session 18).
+    d2p_follow_shortfall: bool = True
     # ADAPTIVE only: a move *against* the last one waits this long after the last moment a
     # worker was seen in transit (oscillation guard; PAPER waits cooldown_s from the switch).
     # Shorter than cooldown_s because a wrong move must be undone before its cost piles up:

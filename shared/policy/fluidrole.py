@@ -18,7 +18,10 @@ Rules, in the order they are checked:
    as the last one waits ``settle_s`` after the last moment a worker was seen in transit
    (its effect must first show in the windowed signals); a move against the last one waits
    ``reverse_wait_s`` from then (oscillation guard), ``reverse_wait_binds_s`` for a P→D
-   move while decode binds (the router sheds on the decode backlog meanwhile).
+   move while decode binds (the router sheds on the decode backlog meanwhile). A D→P
+   follow-up to a move its bounds cut short (fewer workers than PPI̅'s gap, up to
+   ``max_move_workers``) does not settle (``d2p_follow_shortfall``): the gap was known,
+   what held it back is the decode backlog, re-checked at every decision.
    In 1–3 the persistence counter is reset, so a switch needs N_persist fresh intervals
    after the cooldown (signals measured mid-transition do not count); ADAPTIVE's one
    exception: a P→D follow-up counts during ``settle_s`` (``p2d_persist_while_settling``)
@@ -81,7 +84,7 @@ from shared.policy.fluidrole_rules import D2P as D2P
 from shared.policy.fluidrole_rules import NONE as NONE
 from shared.policy.fluidrole_rules import P2D as P2D
 from shared.policy.fluidrole_rules import recommend as recommend
-from shared.policy.fluidrole_sizing import DecodeDemand, move_size
+from shared.policy.fluidrole_sizing import DecodeDemand, d2p_gap, move_size
 
 # The vocabulary is roles.py's; these names stay importable from here for the policy's users.
 from shared.policy.roles import ACTIVE, DECODE, PREFILL
@@ -166,6 +169,7 @@ class RolePolicy:
         self._last_transit_s: float | None = None  # last decide() that saw a switch running
         self._pending = NONE
         self._count = 0
+        self._d2p_shortfall = 0  # workers the last D->P move's bounds held back (ADAPTIVE)
         self._adm_window = SlidingWindow(cfg.window_s)  # DPI̅_adm per decision (ADAPTIVE)
         self._flow: DecodeFlowMeter | None = None  # the decode flow (ADAPTIVE, decode_flow.py)
         if cfg.rules != PAPER and cfg.decode_flow_window_s > 0:
@@ -250,7 +254,8 @@ class RolePolicy:
                 if now_s - self.last_switch_s < cfg.cooldown_s:
                     gate = "cooldown"
             elif rec != NONE and rec == self.last_action:
-                if since_s < cfg.settle_s:
+                follow = rec == D2P and self._d2p_shortfall > 0  # cut short: no settle
+                if since_s < cfg.settle_s and not follow:
                     gate = "settling"
             elif rec != NONE and since_s < self._reverse_wait_s(rec, demand, n_d):
                 gate = "cooldown"
@@ -294,6 +299,10 @@ class RolePolicy:
         movers = pick_candidates(workers, rec, k)
         if not movers:  # unreachable: source_active >= 2
             return out(NONE, "no_candidate")
+        self._d2p_shortfall = 0
+        if rec == D2P and cfg.rules != PAPER and cfg.d2p_follow_shortfall:
+            gap = min(d2p_gap(ppi_bar, n_p, cfg), cfg.max_move_workers)
+            self._d2p_shortfall = max(0, gap - len(movers))
         decision = out(rec, reason, movers)
         self.last_switch_s = now_s
         self.last_action = rec

@@ -97,6 +97,15 @@ def _largest_k(n: int, value: float, bound: float, k_hi: int) -> int:
     return best
 
 
+def d2p_gap(ppi_bar: float, n_prefill: int, cfg: PolicyConfig) -> int:
+    """Workers a D→P move needs to bring PPI̅ to the middle of its band (module doc), at
+    least 1 and before any bound: ⌈|P|·PPI̅ / PPI_mid − |P|⌉."""
+    if not n_prefill:
+        return 1
+    mid = 0.5 * (cfg.ppi_low + cfg.ppi_high)
+    return max(1, math.ceil(n_prefill * ppi_bar / mid - n_prefill - 1e-9))
+
+
 def move_size(
     action: str,
     ppi_bar: float,
@@ -119,8 +128,7 @@ def move_size(
     if action == D2P:
         if n_decode < 2:
             return 0
-        mid = 0.5 * (cfg.ppi_low + cfg.ppi_high)
-        need = math.ceil(n_prefill * ppi_bar / mid - n_prefill - 1e-9) if n_prefill else 1
+        need = d2p_gap(ppi_bar, n_prefill, cfg)
         load_bound = cfg.dpi_load_high - cfg.d2p_load_margin
         k_load = _largest_k(n_decode, dpi_load_bar, load_bound, cap)
         k_adm = _largest_k(n_decode, dpi_adm_bar, adm_guard(cfg), cap)
@@ -132,7 +140,7 @@ def move_size(
             if needed_d and n_decode - kk < needed_d:
                 k_demand = kk - 1
                 break
-        k = min(max(1, need), k_load, k_adm, k_demand, cap, n_decode - 1)
+        k = min(need, k_load, k_adm, k_demand, cap, n_decode - 1)
         return max(0, k)
     if action == P2D:
         if n_prefill < 2:
