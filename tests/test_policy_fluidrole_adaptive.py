@@ -24,7 +24,11 @@ from shared.policy.fluidrole import (
 )
 from shared.policy.fluidrole_sizing import move_size
 
-CFG = PolicyConfig(n_persist=1, cooldown_s=20.0, settle_s=6.0, max_move_workers=3)
+# reverse_wait_s 8 s (the default is 4 s): the reverse wait's tests need it longer than
+# reverse_wait_binds_s (4 s) and than the DPI_adm window's lag.
+CFG = PolicyConfig(
+    n_persist=1, cooldown_s=20.0, settle_s=6.0, max_move_workers=3, reverse_wait_s=8.0
+)
 
 
 def pw(wid: str, ppi: float, state: str = "active") -> WorkerView:

@@ -78,12 +78,18 @@ class PolicyConfig:
     # Shorter than cooldown_s because a wrong move must be undone before its cost piles up:
     # a D->P move that starves decode saturates it within seconds (azure-mixed 30 rps: 7P1D
     # at DPI_load 1.0 for 11 s of a 20 s cooldown), while settle_s + n_persist intervals
-    # already separate any two moves.
-    reverse_wait_s: float = 8.0
+    # already separate any two moves. 4 s since Session 19 (8 s before): at a stage edge
+    # under overload a P->D move made for the last stage's decode backlog held the next
+    # stage's D->P move back for 8 s + n_persist while that backlog drained within ~5 s
+    # (staged 130, 9,000 requests; every set: 26 -> 22 goal misses, no cell lost;
+    # docs/results.md Session 19).
+    reverse_wait_s: float = 4.0
     # ADAPTIVE only: the reverse wait of a P->D move while decode binds (its backlog, or
-    # where the decode flow settles, exceeds every decode slot): the router is then shedding
-    # on the decode backlog, and each second of waiting sheds a second of arrivals
-    # (1,500-request azure-staged at 35 rps: 181 requests in 7 s after a late D->P move).
+    # where the decode flow settles, exceeds every decode slot), when shorter than
+    # reverse_wait_s (it is not at the defaults since reverse_wait_s is 4 s): the router is
+    # then shedding on the decode backlog, and each second of waiting sheds a second of
+    # arrivals (1,500-request azure-staged at 35 rps: 181 requests in 7 s after a late D->P
+    # move, with reverse_wait_s 8 s).
     reverse_wait_binds_s: float = 4.0
     max_move_workers: int = 3
     # ADAPTIVE only (shared/policy/fluidrole_sizing.py). A D->P move must leave the decode
