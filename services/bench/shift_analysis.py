@@ -24,6 +24,7 @@ def recommendation(inputs: dict[str, float], cfg: PolicyConfig) -> str:
         cfg,
         adm_guard_value=inputs.get("dpi_adm_guard"),
         ppi_now=inputs.get("ppi_now"),
+        decode_waiting_batches=inputs.get("decode_waiting_batches"),
     )[0]
 
 

@@ -90,6 +90,21 @@ def decode_demand(workers: Sequence[WorkerView]) -> DecodeDemand:
     return DecodeDemand(requests, slots)
 
 
+def decode_waiting_batches(workers: Sequence[WorkerView]) -> float | None:
+    """The least decode backlog waiting for admission over the Active decode workers, in
+    batches (``decode_waiting / max_decode_requests``): the router's door sheds on the
+    decode backlog from the same measure. None when no Active decode worker reports its
+    batch limit."""
+    return min(
+        (
+            w.decode_waiting / w.max_decode_requests
+            for w in workers
+            if w.state == ACTIVE and w.role == DECODE and w.max_decode_requests > 0
+        ),
+        default=None,
+    )
+
+
 def prefill_busy_mean(workers: Sequence[WorkerView]) -> float:
     """Mean busy fraction (shared/policy/busy.py) of the Active prefill workers (0 if none)."""
     vals = [w.prefill_busy_frac for w in workers if w.state == ACTIVE and w.role == PREFILL]

@@ -121,6 +121,16 @@ class PolicyConfig:
     # (1,500-request azure-staged, 35 rps: 3 intervals cost 2-4 pp at every stage edge
     # into conversation; docs/results.md Session 18).
     n_persist_binds: int = 1
+    # ADAPTIVE only: saturated decode admission is read as blocking prefill (rule 5's
+    # decode_admission_blocks_prefill, a P->D move) only while every Active decode worker
+    # has at least this many batches (max_num_seqs) of requests waiting for admission —
+    # the level at which the router's door sheds on the decode backlog (the shedding
+    # config's decode_backlog_batches, 0.5 by default). Below it the slots are full but
+    # decode keeps up with what prefill sends, the door sheds on prefill's TTFT and the
+    # prefill queue is prefill's own: both phases are short, and a P->D move only shifts
+    # the shortage (staged 130: 5P3D -> 4P4D -> 3P5D past the per-window oracle's 5P3D;
+    # docs/results.md Session 19). Reason both_phases_short, no move. 0 = off.
+    blocked_waiting_batches: float = 0.5
     # ADAPTIVE only (shared/policy/decode_flow.py): the decode backlog FluidRole sizes moves
     # against is at least the forecast N̄·λ_in/λ_out over this window (Little's law: where
     # the flow entering decode settles), scaled for a D->P move of k by (|P| + k)/|P| (more
@@ -170,6 +180,7 @@ class PolicyConfig:
             "reverse_wait_binds_s",
             "budget_context_tokens",
             "decode_flow_window_s",
+            "blocked_waiting_batches",
         ):
             if getattr(self, name) < 0:
                 raise PolicyConfigError(f"policy config: {name} must be >= 0")

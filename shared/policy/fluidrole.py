@@ -41,7 +41,10 @@ Rules, in the order they are checked:
    guard, a saturated decode admission (DPI̅_adm >= DPI_adm^blocking) under prefill
    pressure recommends P→D (``decode_admission_blocks_prefill``), and so does a decode
    batch near its TPOT-safe size (DPI̅_load > ``p2d_load_trigger``) while PPI̅ < PPI_low
-   (``decode_load_pressure``: DPI_adm only rises once the slots are full). Where the rules
+   (``decode_load_pressure``: DPI_adm only rises once the slots are full); but a saturated
+   decode admission with fewer than ``blocked_waiting_batches`` batches waiting on some
+   decode worker is ``both_phases_short`` (no move: decode keeps up, the prefill queue is
+   prefill's own). Where the rules
    recommend nothing, ADAPTIVE reads them again with PPI̅ as it is now (``prefill_ppi_now``:
    the prefill workers' latest PPI) and takes a P→D answer (eq. 20's window keeps a
    drained queue's peak for ``window_s``); D→P still needs the windowed PPI̅.
@@ -65,18 +68,19 @@ Rules, in the order they are checked:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 # What the policy reads of the cluster (views, snapshot, pure reads); importable from here too.
 from shared.policy.cluster_view import ClusterSnapshot as ClusterSnapshot
 from shared.policy.cluster_view import WorkerView as WorkerView
 from shared.policy.cluster_view import aggregate_pressure as aggregate_pressure
 from shared.policy.cluster_view import decode_demand as decode_demand
+from shared.policy.cluster_view import decode_waiting_batches as decode_waiting_batches
 from shared.policy.cluster_view import pick_candidates as pick_candidates
 from shared.policy.cluster_view import prefill_busy_mean as prefill_busy_mean
 from shared.policy.cluster_view import prefill_ppi_now as prefill_ppi_now
 from shared.policy.config import PAPER, PolicyConfig
+from shared.policy.decision import Decision as Decision
 from shared.policy.decode_flow import DecodeFlow, DecodeFlowMeter
 
 # The rules (eq. 22–23 and extensions) live in fluidrole_rules.py; importable from here too.
@@ -91,67 +95,6 @@ from shared.policy.roles import ACTIVE, DECODE, PREFILL
 from shared.policy.roles import DRAIN as DRAIN
 from shared.policy.roles import SWITCH as SWITCH
 from shared.policy.window import SlidingWindow
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """One decision interval's outcome. ``action`` is NONE, D2P or P2D; ``worker_id`` and
-    ``target_role`` are set only when switching. ``recommendation`` is what eq. 22/23 say
-    this interval (NONE, D2P or P2D), ``persist_count`` how many consecutive intervals it held.
-    """
-
-    now_s: float
-    action: str
-    worker_id: str | None
-    target_role: str | None
-    reason: str
-    recommendation: str
-    persist_count: int
-    ppi_bar: float
-    dpi_load_bar: float
-    dpi_adm_bar: float
-    active_prefill: int
-    active_decode: int
-    # Every worker this decision moves (worker_id is the first); () when not switching.
-    worker_ids: tuple[str, ...] = ()
-    # The decode flow the sizing read (decode_flow.py); None when the policy keeps none.
-    decode_flow: DecodeFlow | None = None
-    # PPI̅ as it is now (cluster_view.prefill_ppi_now), which a P→D recommendation may read.
-    ppi_now: float | None = None
-    # The DPI_adm value ADAPTIVE's D→P admission guard compared (max of the smoothed and the
-    # present reading); None under PAPER rules, which have no guard.
-    dpi_adm_guard: float | None = None
-
-    @property
-    def switches(self) -> bool:
-        return self.action != NONE
-
-    def inputs(self, num_workers: int) -> dict[str, float]:
-        """The named numbers published with this decision (``ControllerDecision.inputs``,
-        docs/subjects.md): with ``ppi_now`` and ``dpi_adm_guard``, enough for ``recommend``
-        to give this decision's recommendation again (bench shift re-derives it). Pure."""
-        out = {
-            "ppi_bar": self.ppi_bar,
-            "dpi_load_bar": self.dpi_load_bar,
-            "dpi_adm_bar": self.dpi_adm_bar,
-            "persist_count": float(self.persist_count),
-            "active_prefill": float(self.active_prefill),
-            "active_decode": float(self.active_decode),
-            "workers": float(num_workers),
-            "move_workers": float(len(self.worker_ids)),
-        }
-        if self.ppi_now is not None:
-            out["ppi_now"] = self.ppi_now
-        if self.dpi_adm_guard is not None:
-            out["dpi_adm_guard"] = self.dpi_adm_guard
-        if self.decode_flow is not None:  # FluidRole's decode flow forecast (sizing)
-            out["decode_flow_entered"] = self.decode_flow.entered
-            out["decode_flow_left"] = self.decode_flow.left
-            out["decode_flow_forecast"] = self.decode_flow.requests
-        return out
-
-    def to_log(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class RolePolicy:
@@ -215,8 +158,15 @@ class RolePolicy:
         adm_bar = self.smoothed_adm(adm_now, now_s)
         adm_d2p = max(adm_bar, adm_now)  # the D->P guard also heeds a fresh spike
         ppi_now = prefill_ppi_now(workers)
+        waiting = None if cfg.rules == PAPER else decode_waiting_batches(workers)
         rec, reason = recommend(
-            ppi_bar, load_bar, adm_bar, cfg, adm_guard_value=adm_d2p, ppi_now=ppi_now
+            ppi_bar,
+            load_bar,
+            adm_bar,
+            cfg,
+            adm_guard_value=adm_d2p,
+            ppi_now=ppi_now,
+            decode_waiting_batches=waiting,
         )
 
         def out(action: str, why: str, movers: Sequence[WorkerView] = ()) -> Decision:
@@ -240,6 +190,7 @@ class RolePolicy:
                 decode_flow=flow,
                 ppi_now=ppi_now,
                 dpi_adm_guard=None if cfg.rules == PAPER else adm_d2p,
+                decode_waiting_batches=waiting,
             )
 
         gate = None

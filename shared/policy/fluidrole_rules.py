@@ -17,9 +17,14 @@ def recommend(
     *,
     adm_guard_value: float | None = None,
     ppi_now: float | None = None,
+    decode_waiting_batches: float | None = None,
 ) -> tuple[str, str]:
     """Eq. 22–23 plus the both-pressured rule: (recommendation, reason). ADAPTIVE's D→P
-    admission guard compares ``adm_guard_value`` (default: ``dpi_adm_bar``). ADAPTIVE only:
+    admission guard compares ``adm_guard_value`` (default: ``dpi_adm_bar``). ADAPTIVE's
+    ``decode_admission_blocks_prefill`` also needs ``decode_waiting_batches`` (the least
+    decode backlog waiting for admission over the Active decode workers, in batches; None =
+    not known: not checked) at least ``cfg.blocked_waiting_batches``, else the answer is
+    ``both_phases_short`` (no move). ADAPTIVE only:
     where the windowed PPI̅ gives no recommendation, the rules are read again with
     ``ppi_now`` (PPI̅ as it is now, the prefill workers' latest PPI; None = not known) and
     a P→D answer is taken: eq. 20's window keeps a drained queue's peak for window_s, which
@@ -37,16 +42,22 @@ def recommend(
             return NONE, "prefill_not_idle"
         return NONE, "balanced"
     guard_adm = dpi_adm_bar if adm_guard_value is None else adm_guard_value
-    rec = _adaptive(ppi_bar, dpi_load_bar, dpi_adm_bar, guard_adm, cfg)
+    waiting = decode_waiting_batches
+    rec = _adaptive(ppi_bar, dpi_load_bar, dpi_adm_bar, guard_adm, waiting, cfg)
     if rec[0] == NONE and ppi_now is not None and ppi_now < ppi_bar:
-        rec_now = _adaptive(ppi_now, dpi_load_bar, dpi_adm_bar, guard_adm, cfg)
+        rec_now = _adaptive(ppi_now, dpi_load_bar, dpi_adm_bar, guard_adm, waiting, cfg)
         if rec_now[0] == P2D:
             return rec_now
     return rec
 
 
 def _adaptive(
-    ppi_bar: float, dpi_load_bar: float, dpi_adm_bar: float, guard_adm: float, cfg: PolicyConfig
+    ppi_bar: float,
+    dpi_load_bar: float,
+    dpi_adm_bar: float,
+    guard_adm: float,
+    waiting_batches: float | None,
+    cfg: PolicyConfig,
 ) -> tuple[str, str]:
     """ADAPTIVE's rules on one reading of PPI̅ (see ``recommend``)."""
     # Extension: the decode batch nears its TPOT-safe size while admission may still have
@@ -67,7 +78,12 @@ def _adaptive(
             # Extension (the paper's §IV-B ambiguity): a decode pool that has (nearly) no
             # admission headroom left refuses the prefill queue's head, so the prefill
             # backlog is decode backpressure, not prefill overload — only more decode
-            # capacity can drain it.
+            # capacity can drain it. Unless decode keeps up: its slots are full but few
+            # requests wait for one, so the prefill queue is prefill's own and both phases
+            # are short (config.py, blocked_waiting_batches).
+            limit = cfg.blocked_waiting_batches
+            if limit > 0 and waiting_batches is not None and waiting_batches < limit:
+                return NONE, "both_phases_short"
             return P2D, "decode_admission_blocks_prefill"
         return NONE, "both_phases_pressured"
     if dpi_adm_bar > cfg.dpi_adm_high or load_pressed:
