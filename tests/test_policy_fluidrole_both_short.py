@@ -11,17 +11,12 @@ import dataclasses
 import pytest
 
 from services.bench.shift_analysis import recommendation
+from shared.policy.cluster_view import ClusterSnapshot, WorkerView
 from shared.policy.config import PAPER, PolicyConfig
 from shared.policy.errors import PolicyConfigError
-from shared.policy.fluidrole import (
-    DECODE,
-    NONE,
-    P2D,
-    PREFILL,
-    ClusterSnapshot,
-    RolePolicy,
-    WorkerView,
-)
+from shared.policy.fluidrole import RolePolicy
+from shared.policy.fluidrole_rules import NONE, P2D
+from shared.policy.roles import DECODE, PREFILL
 
 CFG = PolicyConfig(n_persist=1)
 SLOTS = 64
@@ -33,16 +28,9 @@ def both_pressed(waiting: tuple[int, ...], slots: int = SLOTS) -> ClusterSnapsho
     prefill = tuple(
         WorkerView(f"p{i}", PREFILL, ppi_p95=2.0, prefill_busy_frac=1.0) for i in range(5)
     )
+    full = WorkerView("d", DECODE, dpi_load=0.9, dpi_adm=1.0, active_decode_requests=SLOTS)
     decode = tuple(
-        WorkerView(
-            f"d{i}",
-            DECODE,
-            dpi_load=0.9,
-            dpi_adm=1.0,
-            active_decode_requests=SLOTS,
-            decode_waiting=n,
-            max_decode_requests=slots,
-        )
+        dataclasses.replace(full, worker_id=f"d{i}", decode_waiting=n, max_decode_requests=slots)
         for i, n in enumerate(waiting)
     )
     return ClusterSnapshot(prefill + decode)
