@@ -47,6 +47,41 @@ async def wait_for(pred: Callable[[], bool], timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def wait_any_switched(workers: list[FakeWorker], timeout_s: float = 10.0) -> None:
+    """Until one of ``workers`` has got a switch command (raises TimeoutError)."""
+    waits = [asyncio.ensure_future(w.switched.wait()) for w in workers]
+    try:
+        await asyncio.wait_for(asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED), timeout_s)
+    finally:
+        for t in waits:
+            t.cancel()
+
+
+@contextlib.asynccontextmanager
+async def decisions_on(url: str) -> AsyncIterator[list[ControllerDecision]]:
+    """The controller's published decisions, appended as they arrive while inside."""
+    got: list[ControllerDecision] = []
+
+    async def on_decision(msg: ControllerDecision) -> None:
+        got.append(msg)
+
+    async with Bus(BusConfig.from_url(url), SUBJECTS) as bus:
+        await bus.subscribe_stream(SUBJECTS.controller_decisions(), ControllerDecision, on_decision)
+        yield got
+
+
+@contextlib.asynccontextmanager
+async def started(workers: list[FakeWorker], reply: SwitchReply) -> AsyncIterator[list[FakeWorker]]:
+    """``workers`` started (each answering switch commands with ``reply``), stopped after."""
+    for w in workers:
+        await w.start(switch_reply=reply)
+    try:
+        yield workers
+    finally:
+        for w in workers:
+            await w.stop()
+
+
 class FakeWorker:
     """A registry record plus a telemetry stream; optionally answers switch commands."""
 
@@ -133,6 +168,7 @@ class FakeWorker:
                         "pid": 4242.0,
                         "decode_entered_total": self.entered_total,
                         "decode_left_total": self.left_total,
+                        "decode_waiting": t.get("decode_waiting", 0.0),
                     },
                 ),
             )
@@ -302,59 +338,61 @@ async def test_a_filling_decode_flow_holds_a_d2p_move_until_it_settles(
     # (decode_headroom) until the counters show a steady flow (20 → 40 after the move: one
     # decode worker's 48 at the 0.75 fill target).
     cfg = config(nats_server.url, n_persist=1, cooldown_s=0.0, decode_flow_window_s=1.0)
-    reply = SwitchReply(ok=True)
     fill = {"running": 10, "entered_per_publish": 4.0, "left_per_publish": 1.0}
-    workers = [
-        FakeWorker(nats_server.url, "p0", "prefill", ppi=0.0),
-        FakeWorker(nats_server.url, "d0", "decode", **fill),
-        FakeWorker(nats_server.url, "d1", "decode", **fill),
-    ]
-    decisions: list[ControllerDecision] = []
-
-    async def on_decision(msg: ControllerDecision) -> None:
-        decisions.append(msg)
-
-    for w in workers:
-        await w.start(switch_reply=reply)
-    try:
-        async with Bus(BusConfig.from_url(nats_server.url), SUBJECTS) as bus:
-            await bus.subscribe_stream(
-                SUBJECTS.controller_decisions(), ControllerDecision, on_decision
+    url = nats_server.url
+    workers = [FakeWorker(url, "p0", "prefill", ppi=0.0)]
+    workers += [FakeWorker(url, f"d{i}", "decode", **fill) for i in range(2)]
+    async with started(workers, SwitchReply(ok=True)):
+        async with decisions_on(url) as decisions, Controller(cfg):
+            # The meter needs a window of history first: no pressure until it has one.
+            await wait_for(
+                lambda: any(m.inputs.get("decode_flow_forecast", 0.0) > 60.0 for m in decisions)
             )
-            async with Controller(cfg):
-                # The meter needs a window of history first: no pressure until it has one.
-                await wait_for(
-                    lambda: any(m.inputs.get("decode_flow_forecast", 0.0) > 60.0 for m in decisions)
+            workers[0].telemetry["ppi"] = 3.0
+            await wait_for(
+                lambda: any(
+                    m.reason == "decode_headroom"
+                    and m.inputs.get("decode_flow_forecast", 0.0) > 60.0
+                    for m in decisions
                 )
-                workers[0].telemetry["ppi"] = 3.0
-                await wait_for(
-                    lambda: any(
-                        m.reason == "decode_headroom"
-                        and m.inputs.get("decode_flow_forecast", 0.0) > 60.0
-                        for m in decisions
-                    )
-                )
-                assert not any(w.switches for w in workers)
-                for w in workers[1:]:  # the flow settles: as many leave as enter
-                    w.telemetry["left_per_publish"] = 4.0
-                _, d0, d1 = workers
-                await asyncio.wait_for(
-                    asyncio.wait(
-                        [
-                            asyncio.ensure_future(d0.switched.wait()),
-                            asyncio.ensure_future(d1.switched.wait()),
-                        ],
-                        return_when=asyncio.FIRST_COMPLETED,
-                    ),
-                    10.0,
-                )
+            )
+            assert not any(w.switches for w in workers)
+            for w in workers[1:]:  # the flow settles: as many leave as enter
+                w.telemetry["left_per_publish"] = 4.0
+            await wait_any_switched(workers[1:])
         moved = [w for w in workers if w.switches]
         assert len(moved) == 1 and moved[0].switches[0].role == "prefill"
         last = next(m for m in reversed(decisions) if m.action != "none")
         assert last.inputs["decode_flow_forecast"] < 30.0  # ~ the 20 in decode now
-    finally:
-        for w in workers:
-            await w.stop()
+
+
+async def test_full_decode_slots_that_keep_up_hold_the_split_until_requests_wait(
+    nats_server: NatsServer,
+) -> None:
+    # Real bus and controller, fake workers. Prefill pressured (PPI 3.0) and both decode
+    # workers' 64 slots full (DPI_adm 1.0), but only 10 requests wait on each (0.16 of a
+    # batch): decode keeps up, so no move (both_phases_short), and the decisions publish
+    # the waiting share. Once 40 wait on each (0.63 >= 0.5), decode admission blocks
+    # prefill and one prefill worker moves to decode.
+    cfg = config(nats_server.url, n_persist=1, cooldown_s=0.0)
+    full = {"running": 64, "dpi_load": 0.9, "dpi_adm": 1.0, "decode_waiting": 10.0}
+    url = nats_server.url
+    workers = [FakeWorker(url, f"p{i}", "prefill", ppi=3.0) for i in range(2)]
+    workers += [FakeWorker(url, f"d{i}", "decode", **full) for i in range(2)]
+    async with started(workers, SwitchReply(ok=True)):
+        async with decisions_on(url) as decisions, Controller(cfg):
+            await wait_for(lambda: any(m.reason == "both_phases_short" for m in decisions))
+            held = next(m for m in decisions if m.reason == "both_phases_short")
+            assert held.inputs["decode_waiting_batches"] == pytest.approx(10 / 64)
+            assert not any(w.switches for w in workers)
+            for w in workers[2:]:
+                w.telemetry["decode_waiting"] = 40.0
+            await wait_any_switched(workers[:2])
+        moved = [w for w in workers if w.switches]
+        assert len(moved) == 1 and moved[0].switches[0].role == "decode"
+        last = next(m for m in reversed(decisions) if m.action != "none")
+        assert last.reason == "decode_admission_blocks_prefill"
+        assert last.inputs["decode_waiting_batches"] == pytest.approx(40 / 64)
 
 
 async def test_ctl_clear_errors(nats_server: NatsServer) -> None:
