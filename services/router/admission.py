@@ -35,6 +35,7 @@ from shared.engine.profiles import load_profile
 from shared.messages import WorkerRecord, WorkerTelemetry
 from shared.policy.admission import (
     SheddingConfig,
+    least_decode_backlog_batches,
     predicted_ttft_s,
     retry_after_s,
     sheds_for_decode_backlog,
@@ -143,14 +144,12 @@ class AdmissionGate:
         if self._decode_records is None:
             return None
         now = time.monotonic() if now_s is None else now_s
-        best: float | None = None
+        fresh = []
         for rec in self._decode_records():
             seen = self._decode_waiting.get(rec.worker_id)
-            if seen is None or now - seen[0] > self.stale_after_s:
-                continue
-            backlog = seen[1] / max(1, rec.max_num_seqs)
-            best = backlog if best is None or backlog < best else best
-        return best
+            if seen is not None and now - seen[0] <= self.stale_after_s:
+                fresh.append((seen[1], rec.max_num_seqs))
+        return least_decode_backlog_batches(fresh)
 
     def check(self, prompt_tokens: int, prefill_id: str, now_s: float | None = None) -> None:
         """The door decision for a request about to be sent to ``prefill_id`` (the prefill

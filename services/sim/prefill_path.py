@@ -42,6 +42,7 @@ from services.sim.events import E_ARRIVAL, E_KV_ARRIVE, E_PREFILL_DONE, E_PREFIL
 from services.sim.workers import SimRequest, SimWorker
 from shared.policy.admission import (
     is_expired,
+    least_decode_backlog_batches,
     predicted_ttft_s,
     sheds_for_decode_backlog,
     should_shed,
@@ -119,10 +120,9 @@ class PrefillPath:
         if self.shed.decode_backlog_batches <= 0:
             return None
         waiting = self.waiting_by_decode()
-        seqs = max(1, self.cfg.max_num_seqs)
-        return min(
-            (waiting[w.index][0] / seqs for w in self.workers if w.is_active(DECODE)),
-            default=None,
+        seqs = self.cfg.max_num_seqs
+        return least_decode_backlog_batches(
+            (waiting[w.index][0], seqs) for w in self.workers if w.is_active(DECODE)
         )
 
     def _hopeless(self, p: SimWorker, r: SimRequest) -> bool:

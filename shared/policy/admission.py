@@ -111,6 +111,14 @@ def retry_after_s(predicted_s: float, ttft_slo_s: float, cfg: SheddingConfig) ->
     return max(1, math.ceil(excess_s))
 
 
+def least_decode_backlog_batches(waiting_and_slots: Iterable[tuple[float, int]]) -> float | None:
+    """The decode backlog the door sheds on: the least ``waiting / slots`` (requests waiting
+    for admission over the batch limit, ``max_num_seqs``, read as at least 1) over the
+    given decode workers; None when none is given. The router, the simulator and FluidRole
+    (cluster_view.decode_waiting_batches) read it through this one function."""
+    return min((waiting / max(1, slots) for waiting, slots in waiting_and_slots), default=None)
+
+
 def sheds_for_decode_backlog(backlog_batches: float | None, cfg: SheddingConfig) -> bool:
     """True when a newcomer should be rejected because the smallest decode backlog over the
     Active decode workers (requests waiting for admission / max_num_seqs; None = unknown)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shared.policy.admission import least_decode_backlog_batches
 from shared.policy.decode_flow import FlowCounters
 from shared.policy.fluidrole_rules import D2P, P2D
 from shared.policy.fluidrole_sizing import DecodeDemand
@@ -91,17 +92,13 @@ def decode_demand(workers: Sequence[WorkerView]) -> DecodeDemand:
 
 
 def decode_waiting_batches(workers: Sequence[WorkerView]) -> float | None:
-    """The least decode backlog waiting for admission over the Active decode workers, in
-    batches (``decode_waiting / max_decode_requests``): the router's door sheds on the
-    decode backlog from the same measure. None when no Active decode worker reports its
-    batch limit."""
-    return min(
-        (
-            w.decode_waiting / w.max_decode_requests
-            for w in workers
-            if w.state == ACTIVE and w.role == DECODE and w.max_decode_requests > 0
-        ),
-        default=None,
+    """The least decode backlog waiting for admission over the Active decode workers that
+    report their batch limit, in batches: the measure the router's door sheds on
+    (admission.least_decode_backlog_batches). None when no such worker is Active."""
+    return least_decode_backlog_batches(
+        (w.decode_waiting, w.max_decode_requests)
+        for w in workers
+        if w.state == ACTIVE and w.role == DECODE and w.max_decode_requests > 0
     )
 
 

@@ -49,8 +49,9 @@ class Decision:
 
     def inputs(self, num_workers: int) -> dict[str, float]:
         """The named numbers published with this decision (``ControllerDecision.inputs``,
-        docs/subjects.md): with ``ppi_now`` and ``dpi_adm_guard``, enough for ``recommend``
-        to give this decision's recommendation again (bench shift re-derives it). Pure."""
+        docs/subjects.md): with ``ppi_now``, ``dpi_adm_guard`` and ``decode_waiting_batches``,
+        enough for ``recommend`` to give this decision's recommendation again (bench shift
+        re-derives it). Pure."""
         out = {
             "ppi_bar": self.ppi_bar,
             "dpi_load_bar": self.dpi_load_bar,

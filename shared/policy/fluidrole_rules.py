@@ -42,10 +42,11 @@ def recommend(
             return NONE, "prefill_not_idle"
         return NONE, "balanced"
     guard_adm = dpi_adm_bar if adm_guard_value is None else adm_guard_value
-    waiting = decode_waiting_batches
-    rec = _adaptive(ppi_bar, dpi_load_bar, dpi_adm_bar, guard_adm, waiting, cfg)
+    rec = _adaptive(ppi_bar, dpi_load_bar, dpi_adm_bar, guard_adm, decode_waiting_batches, cfg)
     if rec[0] == NONE and ppi_now is not None and ppi_now < ppi_bar:
-        rec_now = _adaptive(ppi_now, dpi_load_bar, dpi_adm_bar, guard_adm, waiting, cfg)
+        rec_now = _adaptive(
+            ppi_now, dpi_load_bar, dpi_adm_bar, guard_adm, decode_waiting_batches, cfg
+        )
         if rec_now[0] == P2D:
             return rec_now
     return rec
