@@ -103,12 +103,8 @@ class FakeWorker:
         return worker_record(
             self.worker_id,
             self.role,  # type: ignore[arg-type]
-            pid=4242,
-            host="localhost",
-            model="tiny",
-            fingerprint="fp",
+            pid=4242,  # as its telemetry's metrics say
             kv_total_blocks=100,
-            max_model_len=2048,
             started_at_s=time.time(),
             heartbeat_at_s=time.time(),
             heartbeat_period_s=HEARTBEAT_S,
