@@ -23,6 +23,7 @@ from shared.policy.fluidrole import (
     WorkerView,
 )
 from shared.policy.fluidrole_sizing import move_size
+from tests.support.role_views import waiting_decode
 
 # reverse_wait_s 8 s (the default is 4 s): the reverse wait's tests need it longer than
 # reverse_wait_binds_s (4 s) and than the DPI_adm window's lag.
@@ -37,19 +38,6 @@ def pw(wid: str, ppi: float, state: str = "active") -> WorkerView:
 
 def dw(wid: str, load: float, adm: float, active: int = 0, state: str = "active") -> WorkerView:
     return WorkerView(wid, DECODE, state, dpi_load=load, dpi_adm=adm, active_decode_requests=active)
-
-
-def full_dw(wid: str, waiting: int) -> WorkerView:
-    """A decode worker with all 64 slots taken and ``waiting`` more waiting for admission."""
-    return WorkerView(
-        wid,
-        DECODE,
-        dpi_load=1.0,
-        dpi_adm=1.0,
-        active_decode_requests=64,
-        decode_waiting=waiting,
-        max_decode_requests=64,
-    )
 
 
 def cluster(ppi: float, load: float, adm: float, n_p: int = 4, n_d: int = 4) -> ClusterSnapshot:
@@ -193,7 +181,7 @@ def test_moving_back_while_decode_binds_waits_the_shorter_reverse_wait() -> None
     def after_the_move(waiting: int) -> ClusterSnapshot:
         # 5P3D after a D->P move; every decode slot is taken and `waiting` more per worker
         # wait for admission.
-        decode = tuple(full_dw(f"d{i}", waiting) for i in range(3))
+        decode = waiting_decode((waiting,) * 3, load=1.0)
         return ClusterSnapshot(tuple(pw(f"p{i}", 0.1) for i in range(5)) + decode)
 
     for waiting, first_move_s in ((20, 4.0), (0, 8.0)):  # decode binds / full but not short
@@ -268,7 +256,9 @@ def test_a_move_back_to_decode_while_decode_binds_needs_no_persistence() -> None
     assert cfg.n_persist_binds == 1
 
     def saturated(waiting: int) -> ClusterSnapshot:
-        return ClusterSnapshot((*(pw(f"p{i}", 0.1) for i in range(7)), full_dw("d0", waiting)))
+        return ClusterSnapshot(
+            (*(pw(f"p{i}", 0.1) for i in range(7)), *waiting_decode((waiting,), load=1.0))
+        )
 
     def moves(cfg: PolicyConfig, snap: ClusterSnapshot) -> list[int]:
         # The first move only: the snapshot stays as it is, and a follow-up while decode

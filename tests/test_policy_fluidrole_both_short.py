@@ -11,29 +11,25 @@ import dataclasses
 import pytest
 
 from services.bench.shift_analysis import recommendation
-from shared.policy.cluster_view import ClusterSnapshot, WorkerView
+from shared.policy.cluster_view import ClusterSnapshot
 from shared.policy.config import PAPER, PolicyConfig
 from shared.policy.errors import PolicyConfigError
 from shared.policy.fluidrole import RolePolicy
 from shared.policy.fluidrole_rules import NONE, P2D
-from shared.policy.roles import DECODE, PREFILL
+from shared.policy.roles import DECODE
+from tests.support.role_views import SLOTS, busy_prefill, waiting_decode
 
 CFG = PolicyConfig(n_persist=1)
-SLOTS = 64
 
 
 def both_pressed(waiting: tuple[int, ...], slots: int = SLOTS) -> ClusterSnapshot:
     """5 prefill workers over their TTFT (PPI 2.0, busy) and one decode worker per entry of
-    ``waiting``, every slot taken and that many requests waiting for one."""
-    prefill = tuple(
-        WorkerView(f"p{i}", PREFILL, ppi_p95=2.0, prefill_busy_frac=1.0) for i in range(5)
-    )
-    full = WorkerView("d", DECODE, dpi_load=0.9, dpi_adm=1.0, active_decode_requests=SLOTS)
+    ``waiting``, every slot taken and that many requests waiting for one (``slots`` 0: the
+    batch limit not reported)."""
     decode = tuple(
-        dataclasses.replace(full, worker_id=f"d{i}", decode_waiting=n, max_decode_requests=slots)
-        for i, n in enumerate(waiting)
+        dataclasses.replace(w, max_decode_requests=slots) for w in waiting_decode(waiting, load=0.9)
     )
-    return ClusterSnapshot(prefill + decode)
+    return ClusterSnapshot(busy_prefill(5, 2.0) + decode)
 
 
 def test_full_decode_slots_block_prefill_only_while_requests_wait_for_them() -> None:

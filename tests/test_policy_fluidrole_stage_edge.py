@@ -17,34 +17,22 @@ from shared.policy.errors import PolicyConfigError
 from shared.policy.fluidrole import RolePolicy
 from shared.policy.fluidrole_rules import NONE, P2D
 from shared.policy.roles import DECODE, DRAIN, PREFILL, SWITCH
-
-SLOTS = 64
+from tests.support.role_views import SLOTS, busy_prefill, waiting_decode
 
 
 def cluster(
     n_p: int, waiting: tuple[int, ...], adm: float = 1.0, moving: str | None = None
 ) -> ClusterSnapshot:
     """``n_p`` busy prefill workers over their TTFT (PPI 1.4) and one decode worker per
-    entry of ``waiting``, DPI_load 0.97; with ``waiting`` > 0 every slot is taken and that
-    many requests wait for one (``adm``: the DPI_adm it reports). ``moving`` = DRAIN |
-    SWITCH adds worker "pm", a prefill worker on its way to decode."""
-    prefill = [WorkerView(f"p{i}", PREFILL, ppi_p95=1.4, prefill_busy_frac=1.0) for i in range(n_p)]
-    decode = [
-        WorkerView(
-            f"d{i}",
-            DECODE,
-            dpi_load=0.97,
-            dpi_adm=adm,
-            active_decode_requests=SLOTS if n else 40,
-            decode_waiting=n,
-            max_decode_requests=SLOTS,
-        )
-        for i, n in enumerate(waiting)
-    ]
+    entry of ``waiting``, DPI_load 0.97; with requests waiting every slot is taken, else 40
+    (``adm``: the DPI_adm they report). ``moving`` = DRAIN | SWITCH adds worker "pm", a
+    prefill worker on its way to decode."""
+    prefill = busy_prefill(n_p, 1.4)
+    decode = waiting_decode(waiting, load=0.97, adm=adm, active=SLOTS if min(waiting) else 40)
     if moving == DRAIN:
-        prefill.append(WorkerView("pm", PREFILL, state=DRAIN, prefill_busy_frac=1.0))
+        prefill += (WorkerView("pm", PREFILL, state=DRAIN, prefill_busy_frac=1.0),)
     elif moving == SWITCH:
-        decode.append(WorkerView("pm", DECODE, state=SWITCH, max_decode_requests=SLOTS))
+        decode += (WorkerView("pm", DECODE, state=SWITCH, max_decode_requests=SLOTS),)
     return ClusterSnapshot((*prefill, *decode))
 
 

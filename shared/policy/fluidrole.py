@@ -92,7 +92,7 @@ from shared.policy.fluidrole_rules import D2P as D2P
 from shared.policy.fluidrole_rules import NONE as NONE
 from shared.policy.fluidrole_rules import P2D as P2D
 from shared.policy.fluidrole_rules import recommend as recommend
-from shared.policy.fluidrole_sizing import DecodeDemand, d2p_gap, move_size
+from shared.policy.fluidrole_sizing import d2p_gap, move_size
 
 # The vocabulary is roles.py's; these names stay importable from here for the policy's users.
 from shared.policy.roles import ACTIVE, DECODE, PREFILL
@@ -121,14 +121,6 @@ class RolePolicy:
         self._flow: DecodeFlowMeter | None = None  # the decode flow (ADAPTIVE, decode_flow.py)
         if cfg.rules != PAPER and cfg.decode_flow_window_s > 0:
             self._flow = DecodeFlowMeter(cfg.decode_flow_window_s)
-
-    def _reverse_wait_s(self, rec: str, demand: DecodeDemand, n_decode: int) -> float:
-        """The oscillation guard's wait for a move against the last one (ADAPTIVE): the
-        shorter ``reverse_wait_binds_s`` for P->D while decode binds (``demand`` needs more
-        decode workers than the ``n_decode`` Active ones even with every slot full)."""
-        if rec == P2D and demand.binds(n_decode):
-            return min(self.cfg.reverse_wait_s, self.cfg.reverse_wait_binds_s)
-        return self.cfg.reverse_wait_s
 
     def smoothed_adm(self, adm_now: float, now_s: float) -> float:
         """Record this decision's DPI̅_adm and return the value FluidRole reads (rule 4):
@@ -172,6 +164,10 @@ class RolePolicy:
             ppi_now=ppi_now,
             decode_waiting_batches=waiting,
         )
+        # A P->D recommendation while decode binds (the backlog, or its forecast, needs more
+        # decode workers than the Active ones even with every slot full): ADAPTIVE then
+        # waits less before moving back, does not settle, and persists n_persist_binds.
+        p2d_binds = cfg.rules != PAPER and rec == P2D and demand.binds(n_d)
 
         def out(action: str, why: str, movers: Sequence[WorkerView] = ()) -> Decision:
             target = None
@@ -212,12 +208,16 @@ class RolePolicy:
                 # No settle for a D->P follow-up its bounds cut short, nor for a P->D one
                 # while decode binds (config.py: d2p_follow_shortfall, p2d_follow_binds).
                 follow = (rec == D2P and self._d2p_shortfall > 0) or (
-                    rec == P2D and cfg.p2d_follow_binds and demand.binds(n_d)
+                    p2d_binds and cfg.p2d_follow_binds
                 )
                 if since_s < cfg.settle_s and not follow:
                     gate = "settling"
-            elif rec != NONE and since_s < self._reverse_wait_s(rec, demand, n_d):
-                gate = "cooldown"
+            elif rec != NONE:
+                wait_s = cfg.reverse_wait_s
+                if p2d_binds:
+                    wait_s = min(wait_s, cfg.reverse_wait_binds_s)
+                if since_s < wait_s:
+                    gate = "cooldown"
         # A P->D follow-up counts its persistence while settling, but does not move: it
         # fires as the settle ends (config.py). Every other gate resets the count.
         count_only = gate == "settling" and rec == P2D and cfg.p2d_persist_while_settling
@@ -231,7 +231,7 @@ class RolePolicy:
             return out(NONE, gate)
         blocked = cfg.rules != PAPER and reason == "decode_admission_blocks_prefill"
         n_persist = cfg.n_persist_blocked if blocked else cfg.n_persist
-        if cfg.rules != PAPER and rec == P2D and demand.binds(n_d):
+        if p2d_binds:
             n_persist = min(n_persist, cfg.n_persist_binds)  # decode binds: unambiguous
         if self._count < n_persist:
             return out(NONE, f"persisting_{self._count}_of_{n_persist}")
