@@ -26,7 +26,7 @@ from typing import Any
 from services.bench.config_list import ALL, config_names
 from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, window_of, workload_from_args
 from services.cli.run_command import run_command
-from services.sim.config import CONFIGS, ORACLE, SimConfig
+from services.sim.config import CONFIGS, ORACLE, ORACLE_LIVE, SimConfig
 from services.sim.run import run_config
 from shared.engine.profiles import DEFAULT_PROFILE, load_profile
 from shared.policy.admission import SheddingConfig
@@ -136,7 +136,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument(
         "--config",
         default=ALL,
-        help=f"{'|'.join([*CONFIGS, ORACLE])}|all, or a comma-separated list",
+        help=f"{'|'.join([*CONFIGS, ORACLE])}|all, or a comma-separated list; also "
+        f"{ORACLE_LIVE} (the oracle's splits in one continuous run; not part of all)",
     )
     ap.add_argument("--rps", default="10,20,30", help="comma-separated request rates")
     ap.add_argument("--requests", type=int, default=None, help="truncate the workload")
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.workload == STAGED:
             for t in trace:
                 starts.setdefault(window_of(t), t.arrival_s)
-        for name in config_names(args.config, (*CONFIGS, ORACLE)):
+        for name in config_names(args.config, (*CONFIGS, ORACLE), (ORACLE_LIVE,)):
             t0 = time.perf_counter()
             # azure-mixed has one window: its oracle is the best single static split.
             res = run_config(trace, name, base, profile)
@@ -194,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 },
                 "wall_s": round(wall, 2),
             }
-            if "notes" in s:
-                row["oracle_splits"] = s["notes"].get("oracle_splits")
+            if "notes" in s:  # oracle_splits, or oracle-live's schedule_prefill_workers
+                row.update(s["notes"])
             results.setdefault(name, {})[f"{rps:g}"] = row
             print(
                 f"{args.workload} rps={rps:g} {name:6s} joint={row['joint_attainment']:.3f} "

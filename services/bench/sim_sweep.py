@@ -48,12 +48,23 @@ from services.bench.sweep_summary import cell_goal_ok as cell_goal_ok
 from services.bench.sweep_summary import summarize as summarize
 from services.bench.workloads import MIXED, POISSON, STAGED, WORKLOADS, build_workload
 from services.cli.run_command import run_command
-from services.sim.config import FULL, ORACLE, STATIC, STATIC_PAPER, STATIC_PRESSURE, SimConfig
+from services.sim.config import (
+    FULL,
+    ORACLE,
+    ORACLE_LIVE,
+    STATIC,
+    STATIC_PAPER,
+    STATIC_PRESSURE,
+    SimConfig,
+)
 from services.sim.run import run_config
 from shared.engine.profiles import load_profile
 
 DEFAULT_RPS = {STAGED: "20,25,30,35", MIXED: "10,15,20,25"}
 CONFIGS = (FULL, ORACLE, STATIC, STATIC_PRESSURE, STATIC_PAPER)
+# Run only when --configs names them (services/sim/oracle_live.py: a yardstick, which costs
+# the oracle's runs again).
+EXTRA = (ORACLE_LIVE,)
 
 
 @dataclass(frozen=True)
@@ -84,7 +95,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument(
         "--configs",
         default=",".join(CONFIGS),
-        help=f"configurations to run (of {','.join(CONFIGS)}); the others come from --reuse",
+        help=f"configurations to run (of {','.join(CONFIGS)}; also {','.join(EXTRA)}, only "
+        "when named); the others come from --reuse",
     )
     ap.add_argument(
         "--reuse",
@@ -103,12 +115,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if a.jobs not in (1, 2):
         ap.error("--jobs must be 1 or 2")
     try:
-        configs = config_names(a.configs, CONFIGS)
+        configs = config_names(a.configs, CONFIGS, EXTRA)
     except ValueError as exc:
         ap.error(f"--configs: {exc}")
-    if set(configs) != set(CONFIGS) and not a.reuse and not a.summarize:
+    if not set(CONFIGS) <= set(configs) and not a.reuse and not a.summarize:
         ap.error("--configs with fewer than all configurations needs --reuse FILE")
-    a.configs = tuple(c for c in CONFIGS if c in configs)
+    a.configs = tuple(c for c in (*CONFIGS, *EXTRA) if c in configs)
     return a
 
 
@@ -198,9 +210,11 @@ def run_cell(
         "requests": len(trace),
     }
     old = (reused or {}).get(cell_key(row))
-    for name in CONFIGS:
+    for name in (*CONFIGS, *EXTRA):
         if old is not None and name not in configs and name in old:
             row[name] = old[name]
+            continue
+        if name in EXTRA and name not in configs:
             continue
         t0 = time.perf_counter()
         s = run_config(trace, name, base, profile).summary(ttft_s, tpot_s)
@@ -241,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(
             f"{row['workload']} seed={row['seed']} off={row['offset_s']:g} rps={row['rps']:g} "
-            + " ".join(f"{c}={row[c]['joint']:.3f}" for c in CONFIGS)
+            + " ".join(f"{c}={row[c]['joint']:.3f}" for c in (*CONFIGS, *EXTRA) if c in row)
             + f" sw={row[FULL]['switches']} rej={row[FULL]['rejected']}"
             + ("" if cell_goal_ok(row) else "  GOAL-MISS")
             + (" (tuned)" if row["tuned"] else ""),

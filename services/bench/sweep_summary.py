@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from services.sim.config import FULL, ORACLE, STATIC, STATIC_PAPER, STATIC_PRESSURE
+from services.sim.config import FULL, ORACLE, ORACLE_LIVE, STATIC, STATIC_PAPER, STATIC_PRESSURE
 
 SLACK_PP = 3.0  # full >= oracle − 3 pp in every cell
 HOPELESS = 0.5  # where the oracle is below this, full >= oracle
@@ -19,8 +19,9 @@ HOPELESS = 0.5  # where the oracle is below this, full >= oracle
 PAPER_MARGIN_PP = 30.0
 
 
-def cell_goal_ok(row: dict[str, Any]) -> bool:
-    full, oracle = row[FULL]["joint"], row[ORACLE]["joint"]
+def cell_goal_ok(row: dict[str, Any], config: str = FULL) -> bool:
+    """Whether ``config`` (default full) meets the goals against the oracle in this row."""
+    full, oracle = row[config]["joint"], row[ORACLE]["joint"]
     if full < oracle - SLACK_PP / 100:
         return False
     return not (oracle < HOPELESS and full < oracle)
@@ -46,6 +47,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "failed_cells": [
                 {k: r[k] for k in ("workload", "seed", "offset_s", "rps")}
                 | {"full": r[FULL]["joint"], "oracle": r[ORACLE]["joint"]}
+                | ({"oracle_live": r[ORACLE_LIVE]["joint"]} if ORACLE_LIVE in r else {})
                 for r in failed
             ],
         }
@@ -78,6 +80,15 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 stats["full_minus_static_paper_pp"] = _dist(pp(FULL, STATIC_PAPER))
                 stats["cells_full_ge_static_paper_plus_30pp"] = sum(
                     1 for x in pp(FULL, STATIC_PAPER) if x >= PAPER_MARGIN_PP
+                )
+            # The oracle-live yardstick (services/sim/oracle_live.py), when every cell has it:
+            # the oracle's clean-start premium, FluidRole against the clairvoyant schedule,
+            # and the cells where even that schedule misses the goals.
+            if all(ORACLE_LIVE in r for r in sel):
+                stats["oracle_live_minus_oracle_pp"] = _dist(pp(ORACLE_LIVE, ORACLE))
+                stats["full_minus_oracle_live_pp"] = _dist(pp(FULL, ORACLE_LIVE))
+                stats["oracle_live_goal_cells_failed"] = sum(
+                    1 for r in sel if not cell_goal_ok(r, ORACLE_LIVE)
                 )
             by_rps.setdefault(workload, {}).setdefault(f"{rps:g}", {})[part] = stats
     return {"goals": goals, "by_rps": by_rps}

@@ -7,7 +7,8 @@ One concept per file: cluster.py (``Simulation``: event loop, a run's bookkeepin
 prefill_path.py (arrivals, shedding, prefill queue, decode admission and its waiting, prefix
 KV send), decode_path.py (KV arrival, decode iterations with suffix chunks, finish),
 telemetry.py (signals, steal re-check, series sampling) and control.py (FluidRole,
-switching, migration); router.py, workers.py, config.py, results.py, run.py. Entry points:
+switching, migration); router.py, workers.py, config.py, results.py, run.py, and
+oracle_live.py (the oracle's splits in one continuous run, a yardstick). Entry points:
 ``Simulation(trace, cfg, profile).run()``, ``run_config``, ``run_oracle``; ``fluidpd bench
 sim`` drives them (services/bench/sim.py).
 """

@@ -26,6 +26,8 @@ TOKEN = "token"  # FluidToken only
 ROLE = "role"  # FluidRole only
 FULL = "full"  # FluidToken + FluidRole
 ORACLE = "oracle"  # best static split per window in hindsight (run.py)
+# The oracle's per-window splits applied to one continuous run (oracle_live.py): a yardstick.
+ORACLE_LIVE = "oracle-live"
 CONFIGS = (STATIC, STATIC_PRESSURE, TOKEN, ROLE, FULL, STATIC_PAPER)
 PAIRINGS = ("round_robin", "pressure")
 
@@ -148,4 +150,6 @@ def config_for(name: str, base: SimConfig | None = None) -> SimConfig:
             raise SimConfigError(str(exc)) from exc
         # One abort, the baseline's: the drop past the deadline stands for SGLang's.
         return replace(config_for(STATIC, base), shedding=shedding, queue_timeout_s=0.0)
-    raise SimConfigError(f"unknown configuration {name!r}; known: {[*CONFIGS, ORACLE]}")
+    raise SimConfigError(
+        f"unknown configuration {name!r}; known: {[*CONFIGS, ORACLE, ORACLE_LIVE]}"
+    )

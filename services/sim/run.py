@@ -1,6 +1,7 @@
 """Running the paper's configurations, and the oracle of §III-A.
 
-``run_config`` simulates one configuration (static | token | role | full) on a workload.
+``run_config`` simulates one configuration (static | token | role | full, or the
+``oracle-live`` yardstick of oracle_live.py) on a workload.
 ``run_oracle`` simulates every window of the workload on its own, fresh cluster under every
 static split (1P(W−1)D … (W−1)P1D, or ``splits``) and keeps, per window, the split with the
 highest joint attainment (ties: the split closest to half/half, then fewer prefill workers)
@@ -13,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from services.sim.cluster import Simulation
-from services.sim.config import ORACLE, STATIC, SimConfig, config_for
+from services.sim.config import ORACLE, ORACLE_LIVE, STATIC, SimConfig, config_for
+from services.sim.oracle_live import run_oracle_live
 from services.sim.results import SimResult, stitch
 from shared.policy.predictors import LatencyProfile
 from shared.trace_request import TraceRequest
@@ -25,6 +27,10 @@ def run_config(
     """Simulate ``trace`` under configuration ``name``. Raises SimConfigError."""
     if name == ORACLE:
         return run_oracle(trace, base, profile)
+    if name == ORACLE_LIVE:
+        splits = run_oracle(trace, base, profile).notes["oracle_splits"]
+        schedule = {int(w): int(v["prefill_workers"]) for w, v in splits.items()}
+        return run_oracle_live(trace, base, profile, schedule)
     return Simulation(trace, config_for(name, base), profile, label=name).run()
 
 

@@ -1,0 +1,93 @@
+"""The oracle's schedule, run live: a yardstick for how much of ``full − oracle`` any live
+system could close.
+
+The oracle (run.py) runs every window on its own, *empty* cluster at that window's best
+static split. No live system gets that clean start: when a stage begins, the previous
+stage's requests are still queued and decoding. ``oracle-live`` replays the whole trace as
+ONE continuous run with ``full``'s data path (pressure pairing, FluidToken, the door), but
+FluidRole's decisions are replaced by a clairvoyant schedule: the oracle's split for each
+window, applied the moment the window's first request has arrived (checked every
+``SCRIPT_TICK_S``), through the real switch mechanics (Drain, migration of running
+decodes, ``switch_overhead_s``). It knows the future split exactly and reacts at once; what
+it cannot do is skip the backlog the previous stage leaves behind.
+
+So ``oracle − oracle-live`` is the clean-start premium of the per-window oracle (what the
+live system is held to beyond knowing the splits), and ``full − oracle-live`` compares
+FluidRole's own decisions with the clairvoyant schedule. Not a configuration of the live
+cluster: a simulator-only yardstick (``fluidpd bench sim --config oracle-live``,
+``fluidpd bench sim-sweep --configs …,oracle-live``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from services.sim.cluster import Simulation
+from services.sim.config import FULL, ORACLE_LIVE, SimConfig, config_for
+from services.sim.events import E_CONTROL
+from services.sim.results import SimResult
+from shared.policy.predictors import LatencyProfile
+from shared.policy.roles import ACTIVE, DECODE, PREFILL
+from shared.trace_request import TraceRequest
+
+# How often the schedule is checked, simulated seconds: a tenth of FluidRole's decision
+# interval, so the schedule lags a stage edge by at most this much.
+SCRIPT_TICK_S = 0.1
+
+
+class ScheduledRoles(Simulation):
+    """A Simulation whose control plane follows ``prefill_by_window`` (window -> Active
+    prefill workers) instead of FluidRole. Mutates workers through ``start_switch`` only."""
+
+    def __init__(
+        self,
+        trace: Sequence[TraceRequest],
+        cfg: SimConfig,
+        profile: LatencyProfile,
+        prefill_by_window: Mapping[int, int],
+        label: str = ORACLE_LIVE,
+    ) -> None:
+        if not cfg.fluidrole:
+            raise ValueError("ScheduledRoles needs cfg.fluidrole (its control ticks)")
+        super().__init__(trace, cfg, profile, label=label)
+        self.prefill_by_window = dict(prefill_by_window)
+        self._arrived = 0  # requests arrived so far (reqs are sorted by arrival)
+
+    def on_control(self) -> None:
+        """Move workers toward the split of the latest arrived request's window; one set of
+        moves at a time (none while a worker is in Drain or Switch)."""
+        now, reqs = self.now, self.reqs
+        while self._arrived < len(reqs) and reqs[self._arrived].arrival_s <= now:
+            self._arrived += 1
+        if self._arrived and all(w.state == ACTIVE for w in self.workers):
+            want = self.prefill_by_window.get(reqs[self._arrived - 1].window)
+            prefill = [w for w in self.workers if w.role == PREFILL]
+            decode = [w for w in self.workers if w.role == DECODE]
+            if want is not None and len(prefill) < want:
+                # Fewest requests to drain first (FluidRole's D->P candidate order).
+                movers = sorted(decode, key=lambda w: (w.requests, w.index))[: want - len(prefill)]
+                for w in movers:
+                    self.start_switch(w, PREFILL)
+            elif want is not None and len(prefill) > want:
+                movers = sorted(prefill, key=lambda w: (len(w.queue), w.index))
+                for w in movers[: len(prefill) - want]:
+                    self.start_switch(w, DECODE)
+        if self.remaining:
+            self.push(now + SCRIPT_TICK_S, E_CONTROL, None)
+
+
+def run_oracle_live(
+    trace: Sequence[TraceRequest],
+    base: SimConfig,
+    profile: LatencyProfile,
+    prefill_by_window: Mapping[int, int],
+) -> SimResult:
+    """One continuous run of ``trace`` under ``full``'s data path with the given schedule
+    (module doc). ``notes`` names the schedule. Raises SimConfigError, SimulationError."""
+    first = min(trace, key=lambda t: t.arrival_s).window if trace else 0
+    cfg = config_for(FULL, base)
+    cfg = replace(cfg, prefill_workers=prefill_by_window.get(first, cfg.initial_prefill))
+    res = ScheduledRoles(trace, cfg, profile, prefill_by_window).run()
+    res.notes = {"schedule_prefill_workers": {str(w): p for w, p in prefill_by_window.items()}}
+    return res
