@@ -38,7 +38,8 @@ SCRIPT_TICK_S = 0.1
 
 class ScheduledRoles(Simulation):
     """A Simulation whose control plane follows ``prefill_by_window`` (window -> Active
-    prefill workers) instead of FluidRole. Mutates workers through ``start_switch`` only."""
+    prefill workers) instead of FluidRole. Mutates workers through ``start_switch`` only.
+    Raises ValueError when ``cfg.fluidrole`` is off: its control ticks drive the schedule."""
 
     def __init__(
         self,
