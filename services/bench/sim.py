@@ -173,10 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.workload == STAGED:
             for t in trace:
                 starts.setdefault(window_of(t), t.arrival_s)
+        oracle = None  # this trace's oracle, once run (oracle-live reads its splits)
         for name in config_names(args.config, (*CONFIGS, ORACLE), (ORACLE_LIVE,)):
             t0 = time.perf_counter()
             # azure-mixed has one window: its oracle is the best single static split.
-            res = run_config(trace, name, base, profile)
+            res = run_config(trace, name, base, profile, oracle=oracle)
+            if name == ORACLE:
+                oracle = res
             wall = time.perf_counter() - t0
             total_wall += wall
             s = res.summary(policy.ttft_s, policy.tpot_s)

@@ -210,6 +210,7 @@ def run_cell(
         "requests": len(trace),
     }
     old = (reused or {}).get(cell_key(row))
+    oracle = None  # this cell's oracle, once run (oracle-live reads its splits)
     for name in (*CONFIGS, *EXTRA):
         if old is not None and name not in configs and name in old:
             row[name] = old[name]
@@ -217,7 +218,10 @@ def run_cell(
         if name in EXTRA and name not in configs:
             continue
         t0 = time.perf_counter()
-        s = run_config(trace, name, base, profile).summary(ttft_s, tpot_s)
+        res = run_config(trace, name, base, profile, oracle=oracle)
+        if name == ORACLE:
+            oracle = res
+        s = res.summary(ttft_s, tpot_s)
         row[name] = {
             "joint": round(s["joint_attainment"], 4),
             "rejected": s["rejected"],

@@ -53,16 +53,13 @@ class ScheduledRoles(Simulation):
             raise ValueError("ScheduledRoles needs cfg.fluidrole (its control ticks)")
         super().__init__(trace, cfg, profile, label=label)
         self.prefill_by_window = dict(prefill_by_window)
-        self._arrived = 0  # requests arrived so far (reqs are sorted by arrival)
 
     def on_control(self) -> None:
         """Move workers toward the split of the latest arrived request's window; one set of
         moves at a time (none while a worker is in Drain or Switch)."""
-        now, reqs = self.now, self.reqs
-        while self._arrived < len(reqs) and reqs[self._arrived].arrival_s <= now:
-            self._arrived += 1
-        if self._arrived and all(w.state == ACTIVE for w in self.workers):
-            want = self.prefill_by_window.get(reqs[self._arrived - 1].window)
+        arrived = self._next_arrival  # the arrivals handled so far (prefill_path.py)
+        if arrived and all(w.state == ACTIVE for w in self.workers):
+            want = self.prefill_by_window.get(self.reqs[arrived - 1].window)
             prefill = [w for w in self.workers if w.role == PREFILL]
             decode = [w for w in self.workers if w.role == DECODE]
             if want is not None and len(prefill) < want:
@@ -75,7 +72,7 @@ class ScheduledRoles(Simulation):
                 for w in movers[: len(prefill) - want]:
                     self.start_switch(w, DECODE)
         if self.remaining:
-            self.push(now + SCRIPT_TICK_S, E_CONTROL, None)
+            self.push(self.now + SCRIPT_TICK_S, E_CONTROL, None)
 
 
 def run_oracle_live(

@@ -22,16 +22,28 @@ from shared.trace_request import TraceRequest
 
 
 def run_config(
-    trace: Sequence[TraceRequest], name: str, base: SimConfig, profile: LatencyProfile
+    trace: Sequence[TraceRequest],
+    name: str,
+    base: SimConfig,
+    profile: LatencyProfile,
+    *,
+    oracle: SimResult | None = None,
 ) -> SimResult:
-    """Simulate ``trace`` under configuration ``name``. Raises SimConfigError."""
+    """Simulate ``trace`` under configuration ``name``. ``oracle``: the oracle's result on
+    this same trace and base, when the caller already ran it (``oracle-live`` then reads its
+    splits instead of running it again). Raises SimConfigError."""
     if name == ORACLE:
         return run_oracle(trace, base, profile)
     if name == ORACLE_LIVE:
-        splits = run_oracle(trace, base, profile).notes["oracle_splits"]
-        schedule = {int(w): int(v["prefill_workers"]) for w, v in splits.items()}
-        return run_oracle_live(trace, base, profile, schedule)
+        oracle = oracle or run_oracle(trace, base, profile)
+        return run_oracle_live(trace, base, profile, oracle_schedule(oracle))
     return Simulation(trace, config_for(name, base), profile, label=name).run()
+
+
+def oracle_schedule(oracle: SimResult) -> dict[int, int]:
+    """Window -> prefill workers, the split ``run_oracle`` chose for each window."""
+    splits = oracle.notes["oracle_splits"]
+    return {int(w): int(v["prefill_workers"]) for w, v in splits.items()}
 
 
 def run_oracle(
