@@ -86,12 +86,19 @@ def test_the_sweep_adds_oracle_live_to_reused_rows_and_summarizes_it(
     assert sim_sweep.main([*common, "--out", str(first)]) == 0
     (row_a,) = sim_sweep.load_rows(str(first))
     assert ORACLE_LIVE not in row_a  # not part of a default sweep
+    chosen = row_a["oracle"][sim_sweep.SPLITS]
+    assert sorted(chosen) == ["0", "1", "2"] and chosen["0"] != 1  # one split per stage
+    # The reused row's splits, not a re-run oracle, drive the schedule: a split the oracle
+    # never picks (a single prefill worker for the first stage) must be followed.
+    row_a["oracle"][sim_sweep.SPLITS] = {**chosen, "0": 1}
+    first.write_text(json.dumps(row_a) + "\n")
     capsys.readouterr()
     args = [*common, "--configs", ORACLE_LIVE, "--reuse", str(first), "--out", str(second)]
     assert sim_sweep.main(args) == 0
     (row_b,) = sim_sweep.load_rows(str(second))
     for name in sim_sweep.CONFIGS:
         assert row_b[name] == row_a[name]  # copied
+    assert row_b[ORACLE_LIVE][sim_sweep.SPLITS] == {**chosen, "0": 1}
     live = row_b[ORACLE_LIVE]["joint"]
     assert 0.0 <= live <= 1.0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

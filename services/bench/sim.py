@@ -27,7 +27,7 @@ from services.bench.config_list import ALL, config_names
 from services.bench.workloads import ARRIVALS, STAGED, WORKLOADS, window_of, workload_from_args
 from services.cli.run_command import run_command
 from services.sim.config import CONFIGS, ORACLE, ORACLE_LIVE, SimConfig
-from services.sim.run import run_config
+from services.sim.run import oracle_schedule, run_config
 from shared.engine.profiles import DEFAULT_PROFILE, load_profile
 from shared.policy.admission import SheddingConfig
 from shared.policy.config import PAPER, RULE_SETS, PolicyConfig
@@ -173,13 +173,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.workload == STAGED:
             for t in trace:
                 starts.setdefault(window_of(t), t.arrival_s)
-        oracle = None  # this trace's oracle, once run (oracle-live reads its splits)
+        schedule = None  # this trace's oracle splits, once run (oracle-live follows them)
         for name in config_names(args.config, (*CONFIGS, ORACLE), (ORACLE_LIVE,)):
             t0 = time.perf_counter()
             # azure-mixed has one window: its oracle is the best single static split.
-            res = run_config(trace, name, base, profile, oracle=oracle)
+            res = run_config(trace, name, base, profile, schedule=schedule)
             if name == ORACLE:
-                oracle = res
+                schedule = oracle_schedule(res)
             wall = time.perf_counter() - t0
             total_wall += wall
             s = res.summary(policy.ttft_s, policy.tpot_s)

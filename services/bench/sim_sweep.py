@@ -24,7 +24,8 @@ below 0.5. A cell is *tuned* when its seed is in ``--tune-seeds`` and its offset
 each cell from an earlier ``--out`` file (the same workload, seed, offset, rps and request
 count; the simulator is deterministic, so a configuration whose code did not change gives
 the same row): a policy change to FluidRole is judged at a fraction of the
-cost.
+cost. The ``oracle`` and ``oracle-live`` rows also carry ``prefill_workers`` (window -> the
+split), so ``--configs oracle-live --reuse FILE`` follows the stored oracle splits.
 """
 
 from __future__ import annotations
@@ -57,14 +58,17 @@ from services.sim.config import (
     STATIC_PRESSURE,
     SimConfig,
 )
-from services.sim.run import run_config
+from services.sim.run import oracle_schedule, run_config
 from shared.engine.profiles import load_profile
 
 DEFAULT_RPS = {STAGED: "20,25,30,35", MIXED: "10,15,20,25"}
 CONFIGS = (FULL, ORACLE, STATIC, STATIC_PRESSURE, STATIC_PAPER)
-# Run only when --configs names them (services/sim/oracle_live.py: a yardstick, which costs
-# the oracle's runs again).
+# Run only when --configs names them (services/sim/oracle_live.py: a yardstick that follows
+# the cell's oracle splits; it runs the oracle again only when the row lacks them).
 EXTRA = (ORACLE_LIVE,)
+# The oracle's row keeps the split it chose per window ({"<window>": prefill workers}); the
+# oracle-live row, the schedule it followed.
+SPLITS = "prefill_workers"
 
 
 @dataclass(frozen=True)
@@ -210,17 +214,19 @@ def run_cell(
         "requests": len(trace),
     }
     old = (reused or {}).get(cell_key(row))
-    oracle = None  # this cell's oracle, once run (oracle-live reads its splits)
+    schedule = None  # this cell's oracle splits, once known (oracle-live follows them)
     for name in (*CONFIGS, *EXTRA):
         if old is not None and name not in configs and name in old:
             row[name] = old[name]
+            if name == ORACLE and SPLITS in old[name]:  # rows written before Session 22 lack it
+                schedule = {int(w): int(p) for w, p in old[name][SPLITS].items()}
             continue
         if name in EXTRA and name not in configs:
             continue
         t0 = time.perf_counter()
-        res = run_config(trace, name, base, profile, oracle=oracle)
+        res = run_config(trace, name, base, profile, schedule=schedule)
         if name == ORACLE:
-            oracle = res
+            schedule = oracle_schedule(res)
         s = res.summary(ttft_s, tpot_s)
         row[name] = {
             "joint": round(s["joint_attainment"], 4),
@@ -230,6 +236,9 @@ def run_cell(
             "switches": s["switches"],
             "wall_s": round(time.perf_counter() - t0, 2),
         }
+        if name in (ORACLE, ORACLE_LIVE):  # the splits it ran (oracle-live: those it followed)
+            assert schedule is not None
+            row[name][SPLITS] = {str(w): p for w, p in sorted(schedule.items())}
     return row
 
 

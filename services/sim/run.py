@@ -10,7 +10,7 @@ highest joint attainment (ties: the split closest to half/half, then fewer prefi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from services.sim.cluster import Simulation
@@ -27,16 +27,17 @@ def run_config(
     base: SimConfig,
     profile: LatencyProfile,
     *,
-    oracle: SimResult | None = None,
+    schedule: Mapping[int, int] | None = None,
 ) -> SimResult:
-    """Simulate ``trace`` under configuration ``name``. ``oracle``: the oracle's result on
-    this same trace and base, when the caller already ran it (``oracle-live`` then reads its
-    splits instead of running it again). Raises SimConfigError."""
+    """Simulate ``trace`` under configuration ``name``. ``schedule``: for ``oracle-live``,
+    the oracle's splits on this same trace and base (``oracle_schedule``) when the caller
+    already has them; without it the oracle is run first. Raises SimConfigError."""
     if name == ORACLE:
         return run_oracle(trace, base, profile)
     if name == ORACLE_LIVE:
-        oracle = oracle or run_oracle(trace, base, profile)
-        return run_oracle_live(trace, base, profile, oracle_schedule(oracle))
+        if schedule is None:
+            schedule = oracle_schedule(run_oracle(trace, base, profile))
+        return run_oracle_live(trace, base, profile, schedule)
     return Simulation(trace, config_for(name, base), profile, label=name).run()
 
 
