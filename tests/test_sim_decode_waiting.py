@@ -118,3 +118,18 @@ def test_a_computed_request_waiting_for_decode_does_not_hold_a_p2d_drain() -> No
     sim.start_switch(p, "decode")
     assert p.state == "switch"  # drained at once: nothing queued or computing
     assert p.adm_waiting == {r.idx: r} and p.local_blocks == 63
+
+
+def test_a_wait_for_a_decode_slot_after_the_first_token_is_counted_as_a_tpot_miss() -> None:
+    # The three short requests get their first token within the TTFT SLO, then wait > 10 s
+    # for the one decode slot: TPOT (wait included) misses, which the summary counts apart.
+    trace = [TraceRequest(0.0, 1000, 2000, "a")] + [
+        TraceRequest(0.5 + 0.1 * i, 1000, 4, "b") for i in range(3)
+    ]
+    waited = Simulation(trace, _static(), PROFILE).run().summary(2.0, 0.1)
+    assert waited["ttft_attainment"] == 1.0
+    assert waited["tpot_missed_after_ttft"] == 3
+    assert waited["joint_attainment"] == 0.25
+    assert waited["per_window"]["0"]["tpot_missed_after_ttft"] == 3
+    roomy = Simulation(trace, _static(max_num_seqs=4), PROFILE).run().summary(2.0, 0.1)
+    assert roomy["tpot_missed_after_ttft"] == 0 and roomy["joint_attainment"] == 1.0

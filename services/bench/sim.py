@@ -7,8 +7,8 @@ stdout line, one JSON object::
     {"bench": "sim", "workload": ..., "workers": 8, "slo": {...}, "profile": ...,
      "results": {"<config>": {"<rps>": {"ttft_attainment": ..., "tpot_attainment": ...,
                  "joint_attainment": ..., "requests": n, "failed": n, "rejected": n,
-                 "expired": n, "switches": n,
-                 "stolen_tokens": n, "wall_s": s}}},
+                 "expired": n, "switches": n, "stolen_tokens": n,
+                 "tpot_missed_after_ttft": n, "wall_s": s}}},
      "sim_wall_s": total seconds spent simulating}
 
 Human-readable lines go to stderr.
@@ -193,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 "expired": s["expired"],
                 "switches": s["switches"],
                 "stolen_tokens": s["stolen_tokens"],
+                "tpot_missed_after_ttft": s["tpot_missed_after_ttft"],
                 "per_window_joint": {
                     w: round(v["joint_attainment"], 4) for w, v in s["per_window"].items()
                 },

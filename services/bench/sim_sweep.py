@@ -234,6 +234,7 @@ def run_cell(
             "expired": s["expired"],
             "failed": s["failed"],
             "switches": s["switches"],
+            "tpot_missed_after_ttft": s["tpot_missed_after_ttft"],
             "wall_s": round(time.perf_counter() - t0, 2),
         }
         if name in (ORACLE, ORACLE_LIVE):  # the splits it ran (oracle-live: those it followed)
