@@ -293,6 +293,27 @@ def test_replay_summary_reports_rejected_apart_from_failed_after_accept() -> Non
     assert row["errors"] == 3 and row["joint_attainment"] == 0.25  # rejected: not attained
 
 
+def test_replay_summary_counts_a_tpot_miss_after_a_met_ttft() -> None:
+    def rec(first_token_s: float, last_token_s: float) -> RequestRecord:
+        return RequestRecord(
+            index=0,
+            label="0:w",
+            arrival_s=0.0,
+            prompt_tokens=8,
+            output_tokens=3,
+            first_token_s=first_token_s,
+            last_token_s=last_token_s,
+            num_tokens=3,
+            status=200,
+        )
+
+    # TPOT (last - first) / 2: 0.05 s, 2.5 s (waited for decode), 0.05 s after a late first token.
+    records = [rec(0.1, 0.2), rec(0.1, 5.1), rec(3.0, 3.1)]
+    row = attainment(records, slo_ttft_ms=1000, slo_tpot_ms=1000)
+    assert row["tpot_missed_after_ttft"] == 1  # the late first token is a TTFT miss, not this
+    assert row["joint_attainment"] == round(1 / 3, 4)
+
+
 def test_replay_clusters_hold_stream_headers_past_the_scaled_expiry(tmp_path: Path) -> None:
     """`fluidpd bench replay` scales the TTFT SLO and the expiry margin by --time-scale; the
     router's hold must outlast both, or a deadline drop would be an in-band error again."""

@@ -167,7 +167,8 @@ async def run_open_loop(
 def summarize(
     records: Sequence[RequestRecord], slo_ttft_ms: float, slo_tpot_ms: float
 ) -> dict[str, Any]:
-    """Attainment fractions over all requests (an errored request misses both SLOs)."""
+    """Attainment fractions over all requests (an errored request misses both SLOs), and
+    ``tpot_missed_after_ttft``: how many met the TTFT SLO but not the TPOT one."""
     n = len(records)
     ok = [r for r in records if r.error is None and r.ttft_s is not None]
     ttft_ok = [r for r in ok if r.ttft_s is not None and r.ttft_s * 1e3 <= slo_ttft_ms]
@@ -185,6 +186,7 @@ def summarize(
         "ttft_attainment": round(len(ttft_ok) / n, 4) if n else 0.0,
         "tpot_attainment": round(len(tpot_ok) / n, 4) if n else 0.0,
         "joint_attainment": round(len(joint) / n, 4) if n else 0.0,
+        "tpot_missed_after_ttft": len(ttft_ok) - len(joint),
         "ttft_p50_ms": pct(ttfts, 0.5),
         "ttft_p95_ms": pct(ttfts, 0.95),
         "slo_ttft_ms": slo_ttft_ms,

@@ -22,8 +22,9 @@ Per run it writes ``--out DIR/requests-<config>-<rps>.jsonl`` (one record per re
 prints one JSON object as the LAST stdout line (``results[config][rps]`` with
 ``ttft_attainment``, ``tpot_attainment``, ``joint_attainment``, counts, ``errors`` — of
 which ``rejected`` (503 before any 200: shed or dropped past the deadline; not attained) and
-``failed_after_accept`` (an error after a 200), each with its fraction — and a
-``loadgen_bottleneck`` section; ``comparisons[rps]`` holds ``full_minus_<baseline>_pp`` for
+``failed_after_accept`` (an error after a 200), each with its fraction —,
+``tpot_missed_after_ttft`` (met the TTFT SLO, missed TPOT) and a ``loadgen_bottleneck``
+section; ``comparisons[rps]`` holds ``full_minus_<baseline>_pp`` for
 each static baseline that ran beside ``full``). With ``--url`` it replays against an existing router once
 (label ``external``) and starts nothing.
 """
@@ -196,6 +197,7 @@ def _stitch(
         "requests": sum(p["requests"] for p in parts),
         "completed": sum(p["completed"] for p in parts),
         "errors": sum(p["errors"] for p in parts),
+        "tpot_missed_after_ttft": sum(p.get("tpot_missed_after_ttft", 0) for p in parts),
         "rejected": sum(p.get("rejected", 0) for p in parts),
         "rejected_fraction": frac("rejected_fraction"),
         "failed_after_accept": sum(p.get("failed_after_accept", 0) for p in parts),
