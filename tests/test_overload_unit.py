@@ -266,21 +266,30 @@ def test_router_and_worker_flags_validate_and_bad_values_exit_2(
 
 
 # ------------------------------------------------------------------------ replay bench
-def test_replay_summary_reports_rejected_apart_from_failed_after_accept() -> None:
-    def rec(status: int, error: str | None, first_token_s: float | None) -> RequestRecord:
-        return RequestRecord(
-            index=0,
-            label="0:w",
-            arrival_s=0.0,
-            prompt_tokens=8,
-            output_tokens=1,
-            first_token_s=first_token_s,
-            last_token_s=first_token_s,
-            num_tokens=0 if first_token_s is None else 1,
-            error=error,
-            status=status,
-        )
+def replay_record(
+    status: int,
+    error: str | None,
+    first_token_s: float | None,
+    last_token_s: float | None = None,
+    num_tokens: int = 1,
+) -> RequestRecord:
+    """One load generator record arriving at 0 s (no tokens when ``first_token_s`` is None)."""
+    return RequestRecord(
+        index=0,
+        label="0:w",
+        arrival_s=0.0,
+        prompt_tokens=8,
+        output_tokens=num_tokens,
+        first_token_s=first_token_s,
+        last_token_s=first_token_s if last_token_s is None else last_token_s,
+        num_tokens=0 if first_token_s is None else num_tokens,
+        error=error,
+        status=status,
+    )
 
+
+def test_replay_summary_reports_rejected_apart_from_failed_after_accept() -> None:
+    rec = replay_record
     records = [
         rec(200, None, 0.1),
         rec(503, "http 503: overloaded", None),
@@ -294,21 +303,11 @@ def test_replay_summary_reports_rejected_apart_from_failed_after_accept() -> Non
 
 
 def test_replay_summary_counts_a_tpot_miss_after_a_met_ttft() -> None:
-    def rec(first_token_s: float, last_token_s: float) -> RequestRecord:
-        return RequestRecord(
-            index=0,
-            label="0:w",
-            arrival_s=0.0,
-            prompt_tokens=8,
-            output_tokens=3,
-            first_token_s=first_token_s,
-            last_token_s=last_token_s,
-            num_tokens=3,
-            status=200,
-        )
-
     # TPOT (last - first) / 2: 0.05 s, 2.5 s (waited for decode), 0.05 s after a late first token.
-    records = [rec(0.1, 0.2), rec(0.1, 5.1), rec(3.0, 3.1)]
+    records = [
+        replay_record(200, None, t0, t1, num_tokens=3)
+        for t0, t1 in [(0.1, 0.2), (0.1, 5.1), (3.0, 3.1)]
+    ]
     row = attainment(records, slo_ttft_ms=1000, slo_tpot_ms=1000)
     assert row["tpot_missed_after_ttft"] == 1  # the late first token is a TTFT miss, not this
     assert row["joint_attainment"] == round(1 / 3, 4)
