@@ -108,3 +108,20 @@ def test_the_sweep_adds_oracle_live_to_reused_rows_and_summarizes_it(
     assert cell["oracle_live_goal_cells_failed"] == int(
         not sim_sweep.cell_goal_ok(row_b, ORACLE_LIVE)
     )
+
+
+def test_the_sweep_runs_the_oracle_again_for_rows_without_stored_splits(
+    tmp_path: Path,
+) -> None:
+    # Rows written before the oracle's row stored its splits (sim20-* and older).
+    common = ["--workloads", "azure-staged", "--seeds", "0", "--offsets", "0"]
+    common += ["--rps-staged", "30", "--requests-staged", "300"]
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert sim_sweep.main([*common, "--out", str(first)]) == 0
+    (row_a,) = sim_sweep.load_rows(str(first))
+    chosen = row_a["oracle"].pop(sim_sweep.SPLITS)
+    first.write_text(json.dumps(row_a) + "\n")
+    args = [*common, "--configs", ORACLE_LIVE, "--reuse", str(first), "--out", str(second)]
+    assert sim_sweep.main(args) == 0
+    (row_b,) = sim_sweep.load_rows(str(second))
+    assert row_b[ORACLE_LIVE][sim_sweep.SPLITS] == chosen  # the re-run oracle's own splits

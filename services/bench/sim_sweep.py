@@ -58,6 +58,7 @@ from services.sim.config import (
     STATIC_PRESSURE,
     SimConfig,
 )
+from services.sim.oracle_live import SCHEDULE_NOTE, schedule_from_json, schedule_json
 from services.sim.run import oracle_schedule, run_config
 from shared.engine.profiles import load_profile
 
@@ -219,14 +220,12 @@ def run_cell(
         if old is not None and name not in configs and name in old:
             row[name] = old[name]
             if name == ORACLE and SPLITS in old[name]:  # rows written before Session 22 lack it
-                schedule = {int(w): int(p) for w, p in old[name][SPLITS].items()}
+                schedule = schedule_from_json(old[name][SPLITS])
             continue
         if name in EXTRA and name not in configs:
             continue
         t0 = time.perf_counter()
         res = run_config(trace, name, base, profile, schedule=schedule)
-        if name == ORACLE:
-            schedule = oracle_schedule(res)
         s = res.summary(ttft_s, tpot_s)
         row[name] = {
             "joint": round(s["joint_attainment"], 4),
@@ -237,9 +236,11 @@ def run_cell(
             "tpot_missed_after_ttft": s["tpot_missed_after_ttft"],
             "wall_s": round(time.perf_counter() - t0, 2),
         }
-        if name in (ORACLE, ORACLE_LIVE):  # the splits it ran (oracle-live: those it followed)
-            assert schedule is not None
-            row[name][SPLITS] = {str(w): p for w, p in sorted(schedule.items())}
+        if name == ORACLE:  # the splits it chose
+            schedule = oracle_schedule(res)
+            row[name][SPLITS] = schedule_json(schedule)
+        elif name == ORACLE_LIVE:  # those it followed (the oracle's, run again if not known)
+            row[name][SPLITS] = res.notes[SCHEDULE_NOTE]
     return row
 
 

@@ -34,6 +34,8 @@ from shared.trace_request import TraceRequest
 # How often the schedule is checked, simulated seconds: a tenth of FluidRole's decision
 # interval, so the schedule lags a stage edge by at most this much.
 SCRIPT_TICK_S = 0.1
+# The result's notes key naming the schedule it followed (``schedule_json``).
+SCHEDULE_NOTE = "schedule_prefill_workers"
 
 
 class ScheduledRoles(Simulation):
@@ -87,5 +89,15 @@ def run_oracle_live(
     cfg = config_for(FULL, base)
     cfg = replace(cfg, prefill_workers=prefill_by_window.get(first, cfg.initial_prefill))
     res = ScheduledRoles(trace, cfg, profile, prefill_by_window).run()
-    res.notes = {"schedule_prefill_workers": {str(w): p for w, p in prefill_by_window.items()}}
+    res.notes = {SCHEDULE_NOTE: schedule_json(prefill_by_window)}
     return res
+
+
+def schedule_json(prefill_by_window: Mapping[int, int]) -> dict[str, int]:
+    """A schedule as JSON stores it: {"<window>": prefill workers}, windows in order."""
+    return {str(w): int(p) for w, p in sorted(prefill_by_window.items())}
+
+
+def schedule_from_json(doc: Mapping[str, int]) -> dict[int, int]:
+    """The inverse of ``schedule_json``."""
+    return {int(w): int(p) for w, p in doc.items()}
