@@ -60,19 +60,20 @@ class ScheduledRoles(Simulation):
         """Move workers toward the split of the latest arrived request's window; one set of
         moves at a time (none while a worker is in Drain or Switch)."""
         arrived = self._next_arrival  # the arrivals handled so far (prefill_path.py)
-        if arrived and all(w.state == ACTIVE for w in self.workers):
-            want = self.prefill_by_window.get(self.reqs[arrived - 1].window)
+        want = self.prefill_by_window.get(self.reqs[arrived - 1].window) if arrived else None
+        if want is not None and all(w.state == ACTIVE for w in self.workers):
             prefill = [w for w in self.workers if w.role == PREFILL]
-            decode = [w for w in self.workers if w.role == DECODE]
-            if want is not None and len(prefill) < want:
-                # Fewest requests to drain first (FluidRole's D->P candidate order).
+            if len(prefill) < want:
+                # Fewest requests to drain first (FluidRole's D->P proxy, by local counts).
+                decode = [w for w in self.workers if w.role == DECODE]
                 movers = sorted(decode, key=lambda w: (w.requests, w.index))[: want - len(prefill)]
-                for w in movers:
-                    self.start_switch(w, PREFILL)
-            elif want is not None and len(prefill) > want:
-                movers = sorted(prefill, key=lambda w: (len(w.queue), w.index))
-                for w in movers[: len(prefill) - want]:
-                    self.start_switch(w, DECODE)
+                target = PREFILL
+            else:
+                surplus = len(prefill) - want  # 0: nothing to move
+                movers = sorted(prefill, key=lambda w: (len(w.queue), w.index))[:surplus]
+                target = DECODE
+            for w in movers:
+                self.start_switch(w, target)
         if self.remaining:
             self.push(self.now + SCRIPT_TICK_S, E_CONTROL, None)
 
