@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,14 +78,23 @@ def test_oracle_live_is_named_on_request_only() -> None:
         config_names("bogus", known, extra)
 
 
+# One sweep cell small enough for a test: staged 30 rps, 300 requests, seed 0, offset 0.
+SWEEP_CELL = ["--workloads", "azure-staged", "--seeds", "0", "--offsets", "0"]
+SWEEP_CELL += ["--rps-staged", "30", "--requests-staged", "300"]
+
+
+def sweep_row(out: Path, *extra: str) -> dict[str, Any]:
+    """Run ``fluidpd bench sim-sweep`` on SWEEP_CELL (plus ``extra``) into ``out``; its row."""
+    assert sim_sweep.main([*SWEEP_CELL, *extra, "--out", str(out)]) == 0
+    (row,) = sim_sweep.load_rows(str(out))
+    return row
+
+
 def test_the_sweep_adds_oracle_live_to_reused_rows_and_summarizes_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    common = ["--workloads", "azure-staged", "--seeds", "0", "--offsets", "0"]
-    common += ["--rps-staged", "30", "--requests-staged", "300"]
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    assert sim_sweep.main([*common, "--out", str(first)]) == 0
-    (row_a,) = sim_sweep.load_rows(str(first))
+    row_a = sweep_row(first)
     assert ORACLE_LIVE not in row_a  # not part of a default sweep
     chosen = row_a["oracle"][sim_sweep.SPLITS]
     assert sorted(chosen) == ["0", "1", "2"] and chosen["0"] != 1  # one split per stage
@@ -93,9 +103,7 @@ def test_the_sweep_adds_oracle_live_to_reused_rows_and_summarizes_it(
     row_a["oracle"][sim_sweep.SPLITS] = {**chosen, "0": 1}
     first.write_text(json.dumps(row_a) + "\n")
     capsys.readouterr()
-    args = [*common, "--configs", ORACLE_LIVE, "--reuse", str(first), "--out", str(second)]
-    assert sim_sweep.main(args) == 0
-    (row_b,) = sim_sweep.load_rows(str(second))
+    row_b = sweep_row(second, "--configs", ORACLE_LIVE, "--reuse", str(first))
     for name in sim_sweep.CONFIGS:
         assert row_b[name] == row_a[name]  # copied
     assert row_b[ORACLE_LIVE][sim_sweep.SPLITS] == {**chosen, "0": 1}
@@ -114,14 +122,9 @@ def test_the_sweep_runs_the_oracle_again_for_rows_without_stored_splits(
     tmp_path: Path,
 ) -> None:
     # Rows written before the oracle's row stored its splits (sim20-* and older).
-    common = ["--workloads", "azure-staged", "--seeds", "0", "--offsets", "0"]
-    common += ["--rps-staged", "30", "--requests-staged", "300"]
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    assert sim_sweep.main([*common, "--out", str(first)]) == 0
-    (row_a,) = sim_sweep.load_rows(str(first))
+    row_a = sweep_row(first)
     chosen = row_a["oracle"].pop(sim_sweep.SPLITS)
     first.write_text(json.dumps(row_a) + "\n")
-    args = [*common, "--configs", ORACLE_LIVE, "--reuse", str(first), "--out", str(second)]
-    assert sim_sweep.main(args) == 0
-    (row_b,) = sim_sweep.load_rows(str(second))
+    row_b = sweep_row(second, "--configs", ORACLE_LIVE, "--reuse", str(first))
     assert row_b[ORACLE_LIVE][sim_sweep.SPLITS] == chosen  # the re-run oracle's own splits
