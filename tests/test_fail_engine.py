@@ -62,7 +62,7 @@ def cluster(fault_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def client(cluster: Cluster) -> AsyncIterator[BusClient]:
-    async with BusClient(cluster.nats_url) as c:
+    async with BusClient(cluster.operator_url) as c:
         await c.wait_workers(["p0", "d0", "d1"])
         yield c
 
@@ -124,7 +124,7 @@ async def test_engine_step_raising_fails_requests_and_takes_the_worker_out(
     assert any("worker_failed" in line and "integrity=ok" in line for line in log_lines), "\n".join(
         log_lines[-20:]
     )
-    await wait_ctl_status(cluster.nats_url, {"p0", "d1"})
+    await wait_ctl_status(cluster.operator_url, {"p0", "d1"})
     assert await leaked_blocks(client, ["p0", "d1"]) == {}
     new = await serves_new_requests(cluster.router_url, 3)
     assert [o.kind for o in new] == ["completed"] * 3, new

@@ -57,7 +57,7 @@ def cluster(fault_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def client(cluster: Cluster) -> AsyncIterator[BusClient]:
-    async with BusClient(cluster.nats_url) as c:
+    async with BusClient(cluster.operator_url) as c:
         await c.wait_workers(WORKERS)
         await c.wait_telemetry(lambda t: all(w in t for w in WORKERS), 10)
         yield c

@@ -56,7 +56,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def client(cluster: Cluster) -> AsyncIterator[BusClient]:
-    async with BusClient(cluster.nats_url) as c:
+    async with BusClient(cluster.operator_url) as c:
         await c.wait_workers(["p0", "d0"])
         yield c
 

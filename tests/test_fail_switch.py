@@ -51,6 +51,7 @@ def rotated(cluster: Cluster, logs: Path) -> Iterator[subprocess.Popen[bytes]]:
         "2048",
         log_dir=logs,
         FLUIDPD_CLUSTER_SECRET="a-rotated-secret",
+        **cluster.worker_env("d1"),
     )
     try:
         yield proc
@@ -60,7 +61,7 @@ def rotated(cluster: Cluster, logs: Path) -> Iterator[subprocess.Popen[bytes]]:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def client(cluster: Cluster, rotated: subprocess.Popen[bytes]) -> AsyncIterator[BusClient]:
-    async with BusClient(cluster.nats_url) as c:
+    async with BusClient(cluster.operator_url) as c:
         await c.wait_workers(["p0", "p1", "d0", "d1"])
         yield c
 

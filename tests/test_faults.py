@@ -134,7 +134,7 @@ def cluster(nats: NatsServer, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def client(cluster: Cluster) -> AsyncIterator[BusClient]:
-    async with BusClient(cluster.nats_url) as c:
+    async with BusClient(cluster.operator_url) as c:
         await c.wait_workers(["p0", "p1", "d0", "d1"])
         yield c
 
@@ -274,7 +274,7 @@ async def test_decode_killed_mid_decode(
     assert client.watcher is not None
     alive = {r.worker_id for r in client.watcher.workers()}
     assert "d0" not in alive and {"d1", "d2"} <= alive
-    await wait_ctl_status(cluster.nats_url, alive)
+    await wait_ctl_status(cluster.operator_url, alive)
     new = await serves_new_requests(cluster.router_url, n=4)
     _check(table, "decode worker SIGKILLed mid-decode", outcomes, leaked, new)
     assert any(o.kind == "completed" for o in outcomes)  # d1's requests were not touched
@@ -353,7 +353,7 @@ async def test_full_kv_pool(tmp_path: Path, table: FaultTable) -> None:
         num_kv_blocks=64,
         extra_worker_args=("--decode-wait-timeout-s", "4"),
     ) as c:
-        async with BusClient(c.nats_url) as client, aiohttp.ClientSession() as s:
+        async with BusClient(c.operator_url) as client, aiohttp.ClientSession() as s:
             await client.wait_workers(["p0", "d0"])
             specs = [(700 + i, 400, 250, None) for i in range(4)] + [(799, 200, 2000, None)]
             futs = _launch(s, c.router_url, specs, stream=False)

@@ -161,7 +161,7 @@ async def _load(url: str) -> list[dict[str, Any]]:
 
 async def _drive(cluster: Cluster) -> Any:
     ids = list(cluster.workers)
-    async with Observer(cluster.nats_url) as obs:
+    async with Observer(cluster.operator_url) as obs:
         ready = await obs.wait_until(
             lambda: bool(obs.decisions) and set(ids) <= set(obs.telemetry), 60.0
         )

@@ -64,8 +64,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 def wire(cluster: Cluster, subject: str, payload: bytes, timeout_s: float = 1.0) -> bytes | None:
     """One raw request; None on silence. Raises WireError (e.g. no responders)."""
     u = urlparse(cluster.nats_url)
+    user, password = cluster.operator_credentials or (None, None)  # what `nats req` logs in as
     try:
-        return raw_request(u.hostname or "127.0.0.1", u.port or 4222, subject, payload, timeout_s)
+        return raw_request(
+            u.hostname or "127.0.0.1", u.port or 4222, subject, payload, timeout_s, user, password
+        )
     except WireTimeout:
         return None
 

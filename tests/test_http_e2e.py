@@ -28,12 +28,12 @@ PATHS = {"disaggregated": "p0", "single": "d0"}  # path -> the worker that runs 
 
 @pytest.fixture(scope="module")
 def routers(
-    nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
+    nats_users_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, str]]:
     """Base URLs by path: two routers over the same workers, differing only in
     ``--short-prompt-tokens`` (0: always disaggregated; 100000: always single-worker)."""
     logs = tmp_path_factory.mktemp("http-logs")
-    url = nats_server_module.url
+    url = nats_users_module
     args = ("--model", "tiny", "--num-kv-blocks", "512", "--block-size", "4")
     procs = [
         start_worker("prefill", "p0", url, *args, log_dir=logs),

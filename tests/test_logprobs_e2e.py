@@ -15,10 +15,14 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from services.common.nats_auth import generate_users
+from shared.messages.subjects import Subjects
+from tests.support.fixtures import TEST_WORKER_IDS
 from tests.support.nats_server import NatsServer
 from tests.support.workers import (
     REPO,
     BusClient,
+    client_url,
     start_router,
     start_worker,
     stop_all,
@@ -45,15 +49,17 @@ def cluster(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     logs = tmp_path_factory.mktemp(f"lp-{request.param}")
-    server = NatsServer(tmp_path_factory.mktemp("nats-lp"))
+    server = NatsServer(
+        tmp_path_factory.mktemp("nats-lp"), users=generate_users(Subjects(), TEST_WORKER_IDS)
+    )
     server.start()
     args = ["--model", "tiny", "--num-kv-blocks", "256", "--block-size", "4"]
     args += ["--max-model-len", str(MAX_MODEL_LEN)]
     if request.param == "split":
         args += ["--force-steal-ratio", "0.5"]  # every prompt split: P half, D half
     procs = [
-        start_worker("prefill", "p0", server.url, *args, log_dir=logs),
-        start_worker("decode", "d0", server.url, *args, log_dir=logs),
+        start_worker("prefill", "p0", server, *args, log_dir=logs),
+        start_worker("decode", "d0", server, *args, log_dir=logs),
     ]
     try:
         paths = {request.param: "0"}
@@ -62,12 +68,12 @@ def cluster(
         routers = {}
         for path, short in paths.items():
             proc, routers[path] = start_router(
-                server.url, "tiny", "--short-prompt-tokens", short, log_dir=logs, name=path
+                server, "tiny", "--short-prompt-tokens", short, log_dir=logs, name=path
             )
             procs.append(proc)
         for base in routers.values():
             wait_healthy(base)
-        yield Cluster(server.url, routers)
+        yield Cluster(client_url(server), routers)
     finally:
         codes = stop_all(procs)
         server.stop()

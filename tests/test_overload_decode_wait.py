@@ -28,12 +28,12 @@ WORKERS = ("p0", "p1", "d0")
 
 @pytest.fixture(scope="module")
 def cluster(
-    nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
+    nats_users_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     """p0 (default decode-wait timeout), p1 (0.5 s) and d0, which decodes one request at a
     time (``--max-num-seqs 1``): every second concurrent request must wait for it."""
     logs = tmp_path_factory.mktemp("decode-wait-logs")
-    url = nats_server_module.url
+    url = nats_users_module
     procs = [
         start_worker("prefill", "p0", url, *ARGS, log_dir=logs),
         start_worker("prefill", "p1", url, *ARGS, "--decode-wait-timeout-s", "0.5", log_dir=logs),

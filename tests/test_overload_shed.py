@@ -37,14 +37,14 @@ SHORT = [5 + i % 300 for i in range(8)]  # T_pre ~ 0.16 s: fits a 500 ms SLO whe
 
 @pytest.fixture(scope="module")
 def cluster(
-    nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
+    nats_users_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, str]]:
     """pe/de (pe drops queued work as soon as its deadline passed) and two routers with a
     500 ms TTFT SLO: ``shed`` rejects above 1x the SLO, ``open`` never sheds; two that never
     shed with a 60 s TTFT SLO (nothing they send expires): ``patient`` holds a stream's
     headers for the automatic 75 s, ``capped`` for 0.3 s."""
     logs = tmp_path_factory.mktemp("shed-logs")
-    url = nats_server_module.url
+    url = nats_users_module
     procs = [
         start_worker("prefill", "pe", url, *ARGS, "--expire-margin-s", "0", log_dir=logs),
         start_worker("decode", "de", url, *ARGS, log_dir=logs),

@@ -33,11 +33,11 @@ N = 16
 
 @pytest.fixture(scope="module")
 def cluster(
-    nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
+    nats_users_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("smollm2-logs")
     args = ("--model", "smollm2-135m", "--num-kv-blocks", "64", "--threads", "1")
-    with worker_pair(nats_server_module.url, logs, *args) as url:
+    with worker_pair(nats_users_module, logs, *args) as url:
         yield url
 
 

@@ -8,7 +8,6 @@ import asyncio
 import json
 import random
 from collections.abc import AsyncIterator, Iterator
-from urllib.parse import urlparse
 
 import pytest
 import pytest_asyncio
@@ -28,11 +27,11 @@ SUBJECTS = Subjects()
 
 @pytest.fixture(scope="module")
 def cluster(
-    nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
+    nats_users_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("switch-logs")
     args = ("--model", "tiny", "--num-kv-blocks", "256", "--block-size", "4")
-    url = nats_server_module.url
+    url = nats_users_module
     procs = [
         start_worker("prefill", "p0", url, *args, log_dir=logs),
         start_worker("prefill", "p1", url, *args, log_dir=logs),
@@ -51,11 +50,10 @@ async def client(cluster: str) -> AsyncIterator[BusClient]:
         yield c
 
 
-def _wire(url: str, worker: str, payload: bytes) -> dict:  # type: ignore[type-arg]
-    u = urlparse(url)
-    reply = raw_request(
-        u.hostname or "127.0.0.1", u.port or 4222, SUBJECTS.worker_switch(worker), payload, 5.0
-    )
+def _wire(server: NatsServer, worker: str, payload: bytes) -> dict:  # type: ignore[type-arg]
+    user, password = server.credentials("operator") or (None, None)  # as `nats req` logs in
+    subject = SUBJECTS.worker_switch(worker)
+    reply = raw_request(server.host, server.port, subject, payload, 5.0, user, password)
     if payload.startswith(b"{"):
         return json.loads(reply)  # JSON in, JSON out (what an operator sees)
     msg = decode_reply(reply, SwitchReply)  # msgpack in, msgpack out
@@ -128,7 +126,7 @@ async def test_switch_p_to_d_and_back_keeps_outputs(cluster: str, client: BusCli
 
 @pytest.fixture(scope="module")
 def decode_pair(
-    nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory, cluster: str
+    nats_users_module: NatsServer, tmp_path_factory: pytest.TempPathFactory, cluster: str
 ) -> Iterator[str]:
     """A second decode worker d1 joins the cluster (for D->P with live migration)."""
     logs = tmp_path_factory.mktemp("switch-logs-d1")

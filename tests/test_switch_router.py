@@ -43,7 +43,7 @@ async def _active_as(client: BusClient, worker_id: str, role: str) -> None:
 
 
 async def test_migrated_streams_reach_the_client_through_the_router(cluster: Cluster) -> None:
-    async with BusClient(cluster.nats_url) as client, aiohttp.ClientSession() as session:
+    async with BusClient(cluster.operator_url) as client, aiohttp.ClientSession() as session:
         await client.wait_workers(["p0", "d0", "d1", "d2"])
         streams = [
             asyncio.ensure_future(

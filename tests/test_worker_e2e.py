@@ -28,11 +28,11 @@ MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 
 @pytest.fixture(scope="module")
 def cluster(
-    nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
+    nats_users_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("worker-logs")
     args = ("--model", "tiny", "--num-kv-blocks", "256", "--block-size", "4")
-    with worker_pair(nats_server_module.url, logs, *args) as url:
+    with worker_pair(nats_users_module, logs, *args) as url:
         yield url
 
 

@@ -26,12 +26,12 @@ RESERVE_TOKENS = 8  # decode horizon reserved at admission; longer outputs grow 
 
 @pytest.fixture(scope="module")
 def cluster(
-    nats_server_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
+    nats_users_module: NatsServer, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("pool-logs")
     args = ("--model", "tiny", "--num-kv-blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK))
     args += ("--decode-reserve-tokens", str(RESERVE_TOKENS), "--no-fluidtoken")
-    with worker_pair(nats_server_module.url, logs, *args) as url:
+    with worker_pair(nats_users_module, logs, *args) as url:
         yield url
 
 

@@ -192,6 +192,20 @@ class Cluster:
                 nats_user="router",
             )
 
+    def worker_env(self, worker_id: str) -> dict[str, str]:
+        """The NATS credentials of worker ``worker_id`` as environment variables (empty
+        without auth), creating its user first if it is new (nats-server reloads). For a
+        worker started outside ``add_worker`` (a test's odd one out). Raises
+        ClusterStartError when nats-server does not take the new user."""
+        if not self._users:
+            return {}
+        user = worker_user(worker_id)
+        if user not in self._users:  # a replacement with a new id: tell nats-server
+            self._users[user] = worker_user_for(Subjects(), worker_id)
+            self._reload_nats()
+        creds = self._users[user]
+        return {"FLUIDPD_NATS_USER": creds.name, "FLUIDPD_NATS_PASSWORD": creds.password}
+
     def add_worker(
         self, worker_id: str, role: Role, extra_args: tuple[str, ...] = ()
     ) -> ChildProcess:
@@ -201,12 +215,7 @@ class Cluster:
         adds the worker's user to nats-server first, by a config reload). Raises OSError, or
         ClusterStartError when nats-server does not take the new user. ``extra_args`` follow the
         spec's worker flags on this worker's command line."""
-        user = None
-        if self._users:
-            user = worker_user(worker_id)
-            if user not in self._users:  # a replacement with a new id: tell nats-server
-                self._users[user] = worker_user_for(Subjects(), worker_id)
-                self._reload_nats()
+        user = worker_user(worker_id) if self.worker_env(worker_id) else None
         argv = [*worker_argv(self.spec, worker_id, role, self.nats_url), *extra_args]
         child = self._child(worker_id, argv, WORKER_READY, self.spec.worker_cpus, user)
         self.workers[worker_id] = child

@@ -160,5 +160,5 @@ class BusClient(BenchBusClient):
     """The bench client with test defaults: a 2 s TTFT budget (so FluidToken's policy
     sees realistic deadlines) and a patient submit acknowledgement (slow CI machines)."""
 
-    def __init__(self, nats_url: str) -> None:
-        super().__init__(nats_url, ttft_budget_s=2.0, ack_timeout_s=30.0)
+    def __init__(self, nats: Nats) -> None:
+        super().__init__(client_url(nats), ttft_budget_s=2.0, ack_timeout_s=30.0)
