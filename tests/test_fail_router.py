@@ -97,9 +97,11 @@ class ThreadSpyTokenizer:
         self._inner = inner
         self.encode_threads: list[int] = []
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = False, *, release_gil: bool = False
+    ) -> list[int]:
         self.encode_threads.append(threading.get_ident())
-        return self._inner.encode(text, add_special_tokens)
+        return self._inner.encode(text, add_special_tokens, release_gil=release_gil)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

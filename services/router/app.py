@@ -35,6 +35,7 @@ from services.router.openai_api import (
     resolve_max_tokens,
 )
 from services.router.pressure_pairing import PressurePolicy, make_policy
+from services.router.prompt_limits import MAX_BODY_BYTES, PromptLimits
 from shared.bus import Bus
 from shared.bus.registry_watcher import RegistryWatcher
 from shared.messages import Subjects, TokenBatch, WorkerRecord, WorkerTelemetry
@@ -43,7 +44,6 @@ from shared.tokenizer import Tokenizer
 from shared.tokenizer.models import load_tokenizer
 
 log = structlog.get_logger("fluidpd.router")
-MAX_BODY_BYTES = 64 * 1024 * 1024
 # A body larger than this is decoded, templated and tokenized on the router's parse thread,
 # so a big prompt does not hold the event loop (every other stream's tokens) while it is
 # parsed; a smaller one is parsed inline, where the thread hop would cost more than it.
@@ -64,6 +64,22 @@ def decode_json(raw: bytes) -> Any:
         raise BadRequest("the request body is not valid JSON") from None
     except RecursionError:
         raise BadRequest("the request body is nested too deeply") from None
+
+
+async def read_body(request: web.Request, limit_bytes: int) -> bytes:
+    """The request body, refused (413) once it is over ``limit_bytes``: at once when its
+    Content-Length says so, else as soon as what arrived passes the limit, so an oversized
+    body is never held in full. Reading awaits the socket: a slow sender costs this
+    request's time, never the event loop's. Raises HTTPRequestEntityTooLarge."""
+    declared = request.content_length
+    if declared is not None and declared > limit_bytes:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit_bytes, actual_size=declared)
+    body = bytearray()
+    while chunk := await request.content.readany():
+        body += chunk
+        if len(body) > limit_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit_bytes, actual_size=len(body))
+    return bytes(body)
 
 
 class Router(Service):
@@ -191,9 +207,19 @@ class Router(Service):
         records = [] if self.watcher is None else self.watcher.workers()
         return min((r.max_model_len for r in records), default=None)
 
+    def prompt_limits(self) -> PromptLimits | None:
+        """The prompt-text and body bounds of the current context limit (None when no
+        worker is registered: the body is then held to MAX_BODY_BYTES only)."""
+        limit = self.max_model_len()
+        if limit is None or self.tokenizer is None:
+            return None
+        return PromptLimits(limit, self.tokenizer.max_token_chars)
+
     # --- HTTP ---------------------------------------------------------------------------
     def build_app(self) -> web.Application:
         middleware = error_middleware(self.cfg.api_key, self.metrics)
+        # The ceiling for every route; the generation routes read their body themselves
+        # against the (lower) limit of the context (read_body, PromptLimits).
         app = web.Application(middlewares=[middleware], client_max_size=MAX_BODY_BYTES)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
@@ -204,12 +230,13 @@ class Router(Service):
 
     async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
         assert self.tokenizer is not None and self.generation is not None
-        raw = await request.read()
+        limits = self.prompt_limits()
+        raw = await read_body(request, MAX_BODY_BYTES if limits is None else limits.body_bytes)
         parse = parse_chat if kind == "chat" else parse_completion
         tokenizer, model_name = self.tokenizer, self.cfg.model_name
 
         def work() -> GenerationRequest:
-            return parse(decode_json(raw), tokenizer, model_name)
+            return parse(decode_json(raw), tokenizer, model_name, limits)
 
         if len(raw) > PARSE_OFF_LOOP_BYTES and self._parse_executor is not None:
             loop = asyncio.get_running_loop()

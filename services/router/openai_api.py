@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from services.router.api_fields import check_fields
 from services.router.errors import BadRequest, ModelNotFound
+from services.router.prompt_limits import PromptLimits
 from shared.errors import FluidPDError, InvalidRequestError
 from shared.messages import SamplingParams
 from shared.tokenizer import Tokenizer
@@ -66,11 +67,17 @@ class GenerationRequest:
         )
 
 
-def _encode(tokenizer: Tokenizer, text: str, param: str) -> tuple[int, ...]:
-    """``text``'s token ids. Raises BadRequest naming ``param`` for text that is not valid
-    Unicode."""
+def _encode(
+    tokenizer: Tokenizer, text: str, param: str, limits: PromptLimits | None
+) -> tuple[int, ...]:
+    """``text``'s token ids, tokenized with the GIL released (a long prompt on the parse
+    thread must not stall the event loop). Raises BadRequest naming ``param`` for text that
+    is not valid Unicode, or (code context_length_exceeded) for text longer than ``limits``
+    allows, before any tokenizing."""
+    if limits is not None:
+        limits.check_chars(len(text), param)
     try:
-        return tuple(tokenizer.encode(text))
+        return tuple(tokenizer.encode(text, release_gil=True))
     except InvalidRequestError as exc:
         raise BadRequest(str(exc), param=param) from None
 
@@ -207,8 +214,11 @@ def _finish(
     )
 
 
-def parse_completion(body: Any, tokenizer: Tokenizer, model_name: str) -> GenerationRequest:
-    """Validate a /v1/completions body. Raises BadRequest / ModelNotFound."""
+def parse_completion(
+    body: Any, tokenizer: Tokenizer, model_name: str, limits: PromptLimits | None = None
+) -> GenerationRequest:
+    """Validate a /v1/completions body; text longer than ``limits`` allows is refused
+    untokenized (None: no such check). Raises BadRequest / ModelNotFound."""
     common = _common(body, model_name, "completion")
     vocab = tokenizer.vocab_size
     prompt = body.get("prompt")
@@ -217,7 +227,7 @@ def parse_completion(body: Any, tokenizer: Tokenizer, model_name: str) -> Genera
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("the prompt is empty", param="prompt")
-        ids = _encode(tokenizer, prompt, "prompt")
+        ids = _encode(tokenizer, prompt, "prompt", limits)
     elif isinstance(prompt, list) and prompt and _all_ints(prompt):
         ids = _token_ids(prompt, vocab, "prompt")
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
@@ -266,18 +276,24 @@ def _message_content(msg: Any, i: int) -> dict[str, Any]:
     return {"role": "system" if role == "developer" else role, "content": content}
 
 
-def parse_chat(body: Any, tokenizer: Tokenizer, model_name: str) -> GenerationRequest:
-    """Validate a /v1/chat/completions body and render its prompt. Raises BadRequest."""
+def parse_chat(
+    body: Any, tokenizer: Tokenizer, model_name: str, limits: PromptLimits | None = None
+) -> GenerationRequest:
+    """Validate a /v1/chat/completions body and render its prompt; messages longer than
+    ``limits`` allows are refused before they are rendered or tokenized (None: no such
+    check). Raises BadRequest."""
     common = _common(body, model_name, "chat")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", param="messages")
     rendered = [_message_content(m, i) for i, m in enumerate(messages)]
+    if limits is not None:  # the contents alone, before the template renders them
+        limits.check_chars(sum(len(m["content"]) for m in rendered), "messages")
     try:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True)
     except FluidPDError as exc:
         raise BadRequest(str(exc), param="messages") from None
-    ids = _encode(tokenizer, text, "messages")
+    ids = _encode(tokenizer, text, "messages", limits)
     if body.get("echo") not in (None, False):
         raise BadRequest("'echo' is a completions parameter", param="echo")
     top = _get_int(body, "top_logprobs", 0, MAX_LOGPROBS)

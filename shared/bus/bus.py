@@ -164,6 +164,7 @@ class Bus:
     async def _on_disconnected(self) -> None:
         self.metrics.connected.set(0)
         if not self._stopped:
+            self.metrics.disconnects_total.inc()
             log.warning("bus.disconnected")
 
     async def _on_error(self, exc: Exception) -> None:

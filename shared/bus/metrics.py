@@ -1,8 +1,8 @@
 """Prometheus metrics of the bus, registered in a caller-supplied CollectorRegistry.
 
 Labels are bounded: ``subject`` is Subjects.pattern() (ids replaced by ``*``), ``outcome``
-one of ok / invalid / error / internal_error / duplicate (streams) / timeout /
-no_responders (client side).
+one of ok / invalid / error / internal_error / duplicate / forged / forged_epoch (streams) /
+timeout / no_responders (client side).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class BusMetrics:
     requests_total: Counter
     request_seconds: Histogram
     connected: Gauge
+    disconnects_total: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> BusMetrics:
@@ -64,6 +65,14 @@ class BusMetrics:
             connected=Gauge(
                 "fluidpd_bus_connected",
                 "1 while connected to NATS, 0 otherwise",
+                registry=registry,
+            ),
+            # A lost connection fails every in-flight stream (the router cannot tell what
+            # it missed): the count shows an operator, and the tests, that one happened.
+            disconnects_total=Counter(
+                "fluidpd_bus_disconnects_total",
+                "Times the NATS connection was lost (nats-server gone, or it dropped this "
+                "client, e.g. as a slow consumer)",
                 registry=registry,
             ),
         )

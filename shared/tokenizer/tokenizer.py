@@ -49,6 +49,7 @@ class Tokenizer:
         self._special_tokens = tokens
         self._chat_template = ChatTemplate(chat_template, tokens) if chat_template else None
         self._digest: str | None = None
+        self._max_token_chars: int | None = None
 
     # ---- properties ---------------------------------------------------------------------------
 
@@ -60,6 +61,18 @@ class Tokenizer:
     def vocab_size(self) -> int:
         """Number of ids the tokenizer can produce (added tokens included)."""
         return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def max_token_chars(self) -> int:
+        """The most text characters one token can stand for: the longest vocabulary entry
+        (added tokens included). A byte-level entry is spelled one character per byte, and a
+        text character is at least one byte, so this bounds characters per token from above
+        (up to what a normalizer removes). The router's prompt-size check (before any
+        tokenizing) rests on it. Computed once (one pass over the vocabulary)."""
+        if self._max_token_chars is None:
+            vocab = self._backend.get_vocab(with_added_tokens=True)
+            self._max_token_chars = max(1, max(map(len, vocab), default=1))
+        return self._max_token_chars
 
     @property
     def bos_token_id(self) -> int | None:
@@ -80,11 +93,19 @@ class Tokenizer:
 
     # ---- operations ---------------------------------------------------------------------------
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = False, *, release_gil: bool = False
+    ) -> list[int]:
         """Token ids of ``text``. Special-token strings in the text map to their ids (as in HF).
-        Raises InvalidRequestError for text that is not valid Unicode: a lone UTF-16
-        surrogate, which a JSON body can carry as an escape ("\\ud800")."""
+        ``release_gil``: encode through the backend's batch call, which lets go of the GIL
+        while it works (its single-text call holds it throughout), so other threads (the
+        router's event loop) run meanwhile; same ids. Raises InvalidRequestError for text
+        that is not valid Unicode: a lone UTF-16 surrogate, which a JSON body can carry as
+        an escape ("\\ud800")."""
         try:
+            if release_gil:
+                batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+                return list(batch[0].ids)
             return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
         except TypeError:  # the backend takes only encodable str ("must be str")
             at = next((i for i, ch in enumerate(text) if "\ud800" <= ch <= "\udfff"), None)
