@@ -38,7 +38,12 @@ import yaml
 from packaging.requirements import Requirement
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.nats_auth import password_env, render_deploy_authorization
+from services.common.nats_auth import (
+    COMPOSE_WORKER_IDS,
+    password_env,
+    render_deploy_authorization,
+    worker_user,
+)
 from services.common.nats_server import free_port
 from shared.messages import Subjects
 from tests.support.nats_server import NatsServer
@@ -52,10 +57,12 @@ CPU = DEPLOY / "compose.cpu.yml"
 SCHEMA = REPO / "tests" / "schemas" / "compose-spec.json"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "fluidpd.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
-NATS_KINDS = ("router", "controller", "worker", "operator")
+NATS_KINDS = ("router", "controller", "operator")
+# Every NATS user of a deployment: the kinds, and one per worker (no shared worker user).
+NATS_USERS = (*NATS_KINDS, *(worker_user(w) for w in COMPOSE_WORKER_IDS))
 SECRETS = {
     "FLUIDPD_CLUSTER_SECRET": "deploy-test-cluster-secret",
-    **{password_env(k): f"3f9c2a7d41b0e8c6-{k}" for k in NATS_KINDS},
+    **{password_env(u): f"3f9c2a7d41b0e8c6-{u}" for u in NATS_USERS},
 }
 WORKER_MODULES = {"services.prefill_worker": "prefill", "services.decode_worker": "decode"}
 # Metrics the dashboard/alerts use that no process exports yet (none: keep it that way).
@@ -146,8 +153,8 @@ def test_base_defines_nats_controller_router_and_eight_pinned_workers() -> None:
         assert env["UCXPY_PROGRESS_MODE"] == "blocking" and env["UCX_WARN_UNUSED_ENV_VARS"] == "n"
         assert svc["ipc"] == "host" and svc["shm_size"] and svc["ulimits"]["memlock"] == -1
         assert env["FLUIDPD_CLUSTER_SECRET"] == SECRETS["FLUIDPD_CLUSTER_SECRET"]
-        assert env["FLUIDPD_NATS_USER"] == "worker"  # the kind-wide least-privilege user
-        assert env["FLUIDPD_NATS_PASSWORD"] == SECRETS[password_env("worker")]
+        assert env["FLUIDPD_NATS_USER"] == worker_user(name)  # its own user, never shared
+        assert env["FLUIDPD_NATS_PASSWORD"] == SECRETS[password_env(worker_user(name))]
         assert env["FLUIDPD_NATS_URL"] == "nats://nats:4222"
         assert svc["depends_on"]["nats"]["condition"] == "service_healthy"
         metrics_ports.add(env["FLUIDPD_METRICS_PORT"])
@@ -162,7 +169,7 @@ def test_base_defines_nats_controller_router_and_eight_pinned_workers() -> None:
         env = services[kind]["environment"]
         assert env["FLUIDPD_NATS_USER"] == kind
         assert env["FLUIDPD_NATS_PASSWORD"] == SECRETS[password_env(kind)]
-    assert {password_env(k) for k in NATS_KINDS} <= nats["environment"].keys()
+    assert {password_env(u) for u in NATS_USERS} <= nats["environment"].keys()
     assert "js-enabled-only=true" in " ".join(nats["healthcheck"]["test"])
     assert any(str(p).endswith(":8222") for p in nats["ports"])
     profiled = {n for n, s in services.items() if s.get("profiles")}
@@ -177,8 +184,9 @@ def test_nats_conf_turns_on_jetstream_and_env_credentials() -> None:
     # The users are generated from shared/messages/subjects.py: the file must not drift.
     auth = (DEPLOY / "nats" / "auth.conf").read_text()
     assert auth == render_deploy_authorization(Subjects())
-    for kind in NATS_KINDS:
-        assert f"user: {kind}, password: ${password_env(kind)}," in auth
+    for user in NATS_USERS:
+        assert f"user: {user}, password: ${password_env(user)}," in auth
+    assert "user: worker," not in auth  # no kind-wide worker user
     assert re.search(r"^http_port:\s*8222", conf, re.M)
 
 

@@ -21,7 +21,6 @@ from shared.messages import (
     CancelRequest,
     ControllerDecision,
     ErrorReply,
-    HandoffNotice,
     MessageError,
     MessageTooLargeError,
     MigrateRequest,
@@ -100,13 +99,6 @@ SAMPLES = {
         block_ids=(4, 5),
         generations=(9, 2**40),
         ucx_address=b"\x00\x01ucx",
-    ),
-    HandoffNotice: HandoffNotice(
-        request_id="r1",
-        transfer_id=3,
-        first_token_id=None,
-        num_prompt_tokens_computed=80,
-        status="ok",
     ),
     CancelRequest: CancelRequest(request_id="r1", reason="client gone"),
     SwitchCommand: SwitchCommand(role="prefill"),
@@ -599,7 +591,7 @@ def test_subjects():
     assert s.pattern("fluidpd.telemetry.decode.d9") == "telemetry.decode.*"
     assert s.pattern("fluidpd.router.r1.tokens") == "router.*.tokens"
     assert s.pattern(s.telemetry("*", "*")) == "telemetry.*.*"
-    assert s.pattern(s.telemetry_all()) == "telemetry.>"
+    assert s.telemetry_all() == "fluidpd.telemetry.*.*"  # subscription = permission
     assert s.pattern("fluidpd.controller.status") == "controller.status"
     assert s.pattern("other.worker.w3.switch") == "other"
     assert s.pattern("fluidpd.worker.w3.bogus") == "other"

@@ -75,7 +75,7 @@ def run_config(
         records = asyncio.run(
             run_open_loop(cluster.router_url, "tiny", plan, vocab_size=356, progress=False)
         )
-        stolen = _stolen_tokens(cluster.nats_url)
+        stolen = _stolen_tokens(cluster.operator_url)
     finally:
         cluster.stop()
     ttft_ms = args.slo_ttft_ms * args.time_scale

@@ -164,7 +164,7 @@ def run_once(spec: RunSpec, plan: list[PlannedRequest]) -> dict[str, Any]:
             url = cluster.router_url
             pids = {k: v for k, v in cluster.pids().items() if k in ("router", "nats")}
             sampler = TelemetrySampler(spec.out_dir / f"telemetry-{spec.name}.json")
-            sampler.start(cluster.nats_url)
+            sampler.start(cluster.operator_url)
         meter = CpuMeter(pids)
         t0 = time.monotonic()
         records = asyncio.run(

@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster.wait_ready(timeout_s=120)
         floor_port = free_port()  # the floor relay cannot report its port
         floor = start_floor(
-            cluster.nats_url,
+            cluster.operator_url,
             str(profile_path),
             floor_port,
             control_cpus=a.control_cpus,
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 (
                     cluster.router_url,
                     f"http://127.0.0.1:{floor_port}",
-                    cluster.nats_url,
+                    cluster.operator_url,
                     prompts,
                     refs,
                     str(profile_path),

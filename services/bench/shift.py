@@ -107,7 +107,7 @@ async def _drive(
 ) -> dict[str, Any]:
     requests, bounds = plan(phases)
     worker_ids = list(cluster.workers)
-    async with Observer(cluster.nats_url) as obs:
+    async with Observer(cluster.operator_url) as obs:
         # The controller's first decision after every worker is seen: the policy is live.
         if not await obs.wait_until(
             lambda: bool(obs.decisions) and set(worker_ids) <= set(obs.telemetry), 30.0

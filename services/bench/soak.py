@@ -186,7 +186,7 @@ async def run(args: argparse.Namespace, cluster: Cluster) -> dict[str, Any]:
     from shared.tokenizer.models import load_tokenizer
 
     vocab = load_tokenizer("tiny").vocab_size
-    monitor = Monitor(cluster.nats_url)
+    monitor = Monitor(cluster.operator_url)
     await monitor.start()
     try:
         plan = plan_requests(args)

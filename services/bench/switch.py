@@ -43,10 +43,10 @@ from typing import Any
 from services.bench.bus_client import BenchBusClient
 from services.bench.switch_scenarios import Setup, d2p_under_load, p2d_under_load
 from services.common.cluster import Cluster
-from services.common.cluster_commands import WORKER_READY
 from services.common.cluster_spec import ClusterSpec
 from services.common.logging import configure_logging
 from services.common.procs import ChildProcess
+from shared.policy.roles import DECODE
 
 GOAL_P2D_OVERHEAD_MS = 100.0
 GOAL_D2P_MIGRATE_MS = 1000.0
@@ -126,15 +126,7 @@ def start_cluster(s: Setup, log_dir: Path) -> tuple[Cluster, ChildProcess]:
     )
     cluster = Cluster(spec)
     cluster.start()
-    argv = [spec.python, "-m", "services.decode_worker", "--id", "d2", "--nats", cluster.nats_url]
-    argv += ["--model", "tiny", "--engine", s.engine, "--no-migrate", *common]
-    if s.threads:
-        argv += ["--threads", str(s.threads)]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(spec.env)}
-    extra = ChildProcess(
-        "d2", argv, env=env, ready_marker=WORKER_READY, sink=cluster.sink, die_with_parent=True
-    )
-    extra.start()
+    extra = cluster.add_worker("d2", DECODE, extra_args=("--no-migrate",))
     return cluster, extra
 
 
@@ -147,7 +139,9 @@ def run_one_engine(name: str, s: Setup, a: argparse.Namespace, log_dir: Path) ->
         while not extra.ready.wait(0.2):  # ChildProcess exposes events, not a joint wait
             if extra.exited.is_set() or time.monotonic() > deadline:
                 raise RuntimeError(f"d2 did not start:\n{extra.tail(30)}")
-        return asyncio.run(run_engine(cluster.nats_url, s, a.repeats, a.repeats_no_migrate, a.seed))
+        return asyncio.run(
+            run_engine(cluster.operator_url, s, a.repeats, a.repeats_no_migrate, a.seed)
+        )
     finally:
         extra.stop(8.0)
         cluster.stop()

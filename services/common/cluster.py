@@ -105,6 +105,16 @@ class Cluster:
         op = self._users.get("operator")
         return (op.name, op.password) if op else None
 
+    @property
+    def operator_url(self) -> str:
+        """``nats_url`` with the operator's credentials (what ``fluidpd ctl``, benchmarks and
+        tests connect as); ``nats_url`` itself without auth."""
+        creds = self.operator_credentials
+        if creds is None or "://" not in self.nats_url:
+            return self.nats_url
+        scheme, rest = self.nats_url.split("://", 1)
+        return f"{scheme}://{creds[0]}:{creds[1]}@{rest}"
+
     def pids(self) -> dict[str, int]:
         return {c.name: c.pid for c in self.children() if c.pid is not None}
 
@@ -138,7 +148,7 @@ class Cluster:
     def _start_nats(self, deadline_s: float) -> None:
         self._store_dir = Path(tempfile.mkdtemp(prefix="fluidpd-nats-"))
         server = LocalNatsServer.on_random_port(self._store_dir)
-        if self.spec.nats_auth:
+        if self.spec.nats_auth and not self.spec.nats_url:
             ids = tuple(worker_id for worker_id, _ in self.spec.worker_ids())
             self._users = generate_users(Subjects(), ids)
             server = dataclasses.replace(server, config_file=self._store_dir / "nats.conf")
@@ -182,19 +192,22 @@ class Cluster:
                 nats_user="router",
             )
 
-    def add_worker(self, worker_id: str, role: Role) -> ChildProcess:
+    def add_worker(
+        self, worker_id: str, role: Role, extra_args: tuple[str, ...] = ()
+    ) -> ChildProcess:
         """Spawn one worker with the spec's flags (``Cluster.start`` uses it for every
         worker; tests use it to add a replacement). Returns at once, without waiting for
         readiness; ``stop()`` stops it too. Mutates ``self.workers`` (and, with NATS auth,
         adds the worker's user to nats-server first, by a config reload). Raises OSError, or
-        ClusterStartError when nats-server does not take the new user."""
+        ClusterStartError when nats-server does not take the new user. ``extra_args`` follow the
+        spec's worker flags on this worker's command line."""
         user = None
         if self._users:
             user = worker_user(worker_id)
             if user not in self._users:  # a replacement with a new id: tell nats-server
                 self._users[user] = worker_user_for(Subjects(), worker_id)
                 self._reload_nats()
-        argv = worker_argv(self.spec, worker_id, role, self.nats_url)
+        argv = [*worker_argv(self.spec, worker_id, role, self.nats_url), *extra_args]
         child = self._child(worker_id, argv, WORKER_READY, self.spec.worker_cpus, user)
         self.workers[worker_id] = child
         return child

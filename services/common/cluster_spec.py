@@ -21,8 +21,11 @@ class ClusterSpec:
     prints every line prefixed with ``[name]``. ``control_cpus`` pins nats-server, the
     router and the controller, ``worker_cpus`` the workers (services/common/cpus.py;
     ``()``: not pinned); CPUs this process may not use raise CpuSetError (a ValueError).
-    ``nats_auth`` (private nats-server only): generate least-privilege users
-    (services/common/nats_auth.py) and give each child its own credentials.
+    ``nats_auth`` (on by default, as ``fluidpd up`` ships): the private nats-server gets
+    least-privilege users (services/common/nats_auth.py) and each child its own
+    credentials; off, anyone may do anything on the bus (say why where a test needs it).
+    With ``nats_url`` (a server started elsewhere) it is that server's business and
+    ``nats_auth`` is ignored.
     """
 
     prefill: int = 1
@@ -51,7 +54,7 @@ class ClusterSpec:
     control_cpus: tuple[int, ...] = ()
     worker_cpus: tuple[int, ...] = ()
     python: str = field(default_factory=lambda: sys.executable)
-    nats_auth: bool = False
+    nats_auth: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 0 or self.prefill + self.decode < 1:
@@ -64,8 +67,6 @@ class ClusterSpec:
             raise ValueError("stop_grace_s must be >= 0")
         check_cpus(self.control_cpus, "control plane CPUs")
         check_cpus(self.worker_cpus, "worker CPUs")
-        if self.nats_auth and self.nats_url:
-            raise ValueError("nats_auth generates users for the private nats-server only")
 
     def worker_ids(self) -> list[tuple[str, Role]]:
         """(worker id, role) for every worker: p0..p{N-1}, d0..d{M-1}."""

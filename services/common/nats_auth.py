@@ -1,33 +1,29 @@
 """Least-privilege NATS users: who may publish and subscribe to what, and the nats-server
 ``authorization`` block that enforces it.
 
-Every permission is derived from ``shared/messages/subjects.py`` (one definition of the
-subjects), so a renamed subject moves its permission with it. One user per service kind:
+Every permission is derived from the one table of message flows, ``FLOWS`` in
+``shared/messages/subjects.py``: each flow names the kinds that publish and subscribe to
+its subjects, with their id scope. Nothing is allowed that no flow uses. Users:
 
-* ``router``: sends prefill requests and cancels, reads its token streams, telemetry,
-  events and the registry. It cannot switch a worker or touch the policy.
-* ``controller``: sends switch commands, publishes decisions, answers status/policy
-  requests, reads telemetry, events and the registry.
-* ``worker``: talks to its peers (prefill hand-over, admit, handoff, cancel, migrate),
-  publishes tokens, telemetry, events and its registry record, answers its own requests.
-  A *per-worker* user (``worker_id`` given) may publish telemetry, events, tokens and a
-  registry record only under its own id, and subscribe only to its own request subjects;
-  receivers drop stream messages whose ``publisher_id`` differs from the id in the subject
-  (``Subjects.publisher_of``). A worker cannot send switch, policy or status requests.
-* ``operator``: everything (``fluidpd ctl``, the NATS CLI, tests).
+* ``router``, ``controller``: one user per kind (they are few and named in advance).
+* ``worker-<id>``: one user per worker, never shared. Where a flow says OWN it may name
+  only its own id (tokens, telemetry, events, its registry record, its request subjects);
+  receivers also drop stream messages whose ``publisher_id`` differs from the id in the
+  subject (``Subjects.publisher_of``). There is no kind-wide worker user.
+* ``operator``: everything (``fluidpd ctl``, the NATS CLI, benchmarks, tests).
 
-Replies: responders get ``allow_responses`` (they may answer the requests they receive,
-nothing else on an inbox); a requester reads replies only on its own inbox
+Replies: a kind that subscribes to a request/reply flow gets ``allow_responses`` (it may
+answer the requests it receives, nothing else on an inbox); a kind that publishes to one,
+or reads the registry (JetStream API requests), reads replies only on its own inbox
 ``_INBOX_<user>.>`` (``BusConfig`` uses that prefix for a client with a user), so no user
-reads another's replies. The registry is a
-JetStream KV bucket: readers need the bucket's stream-info, consumer and direct-get API
-subjects and ``$JS.FC.>`` (flow control of the watch); writers also ``$KV.<bucket>.<key>``.
-Nobody but the operator may delete or reconfigure the bucket.
+reads another's replies. Nobody but the operator may delete or reconfigure the registry.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import secrets
 import socket
 from dataclasses import dataclass, field
@@ -35,9 +31,24 @@ from pathlib import Path
 from typing import Any
 
 from shared.bus.config import inbox_prefix_for
-from shared.messages.subjects import WILDCARD, WORKER_VERBS, Subjects, check_id
+from shared.messages.subjects import (
+    CONTROLLER,
+    FLOWS,
+    OPERATOR,
+    OWN,
+    ROUTER,
+    WILDCARD,
+    WORKER,
+    Subjects,
+    check_id,
+)
 
-KINDS = ("router", "controller", "worker", "operator")
+# Kinds with a user of their own; workers get ``worker-<id>`` users instead of a kind user.
+KINDS = (ROUTER, CONTROLLER, OPERATOR)
+# The worker ids of docker-compose.yml (deploy/compose.cpu.yml uses p0 and d0 of them):
+# deploy/nats/auth.conf has one user for each (``python -m services.common.nats_auth
+# --workers ...`` writes it for other ids, e.g. a second node's).
+COMPOSE_WORKER_IDS = ("p0", "p1", "p2", "p3", "d0", "d1", "d2", "d3")
 
 
 @dataclass(frozen=True)
@@ -59,81 +70,46 @@ class Permissions:
         return out
 
 
-def _registry(subjects: Subjects, write_key: str | None) -> tuple[str, ...]:
-    """JetStream subjects to open, watch (and with ``write_key``, put/delete) the bucket."""
-    stream = "KV_" + subjects.registry_bucket()
-    api = "$JS.API"
-    subs = [
-        f"{api}.INFO",
-        f"{api}.STREAM.INFO.{stream}",
-        f"{api}.STREAM.CREATE.{stream}",  # the first worker or watcher creates it
-        f"{api}.CONSUMER.CREATE.{stream}",
-        f"{api}.CONSUMER.CREATE.{stream}.>",
-        f"{api}.CONSUMER.DELETE.{stream}.>",
-        f"{api}.CONSUMER.INFO.{stream}.>",
-        f"{api}.STREAM.MSG.GET.{stream}",
-        f"{api}.DIRECT.GET.{stream}",
-        f"{api}.DIRECT.GET.{stream}.>",
-        "$JS.FC.>",
-    ]
-    if write_key is not None:
-        subs.append(subjects.registry_key(write_key))
-    return tuple(subs)
-
-
 def user_name(kind: str, worker_id: str = WILDCARD) -> str:
-    """The NATS user of a kind: the kind itself, or ``worker-<id>`` for a per-worker user."""
-    return kind if worker_id == WILDCARD else worker_user(worker_id)
+    """The NATS user of a kind: the kind itself, or ``worker-<id>`` for a worker."""
+    return worker_user(worker_id) if kind == WORKER else kind
+
+
+def _scoped(scope: str, own: str) -> str:
+    return own if scope == OWN else WILDCARD
 
 
 def permissions(kind: str, subjects: Subjects, worker_id: str = WILDCARD) -> Permissions:
-    """The permissions of one service kind (``worker_id`` narrows a worker user to its own
-    id). Pure. Raises ValueError for an unknown kind or a bad id."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown NATS user kind {kind!r} (one of {', '.join(KINDS)})")
-    s, any_ = subjects, WILDCARD
-    inbox = inbox_prefix_for(user_name(kind, worker_id)) + ".>"
-    if kind == "operator":
+    """The permissions of one user, read off ``FLOWS``: a router, the controller, the
+    operator, or worker ``worker_id``. Pure. Raises ValueError for an unknown kind, a
+    worker without its own id, or a bad id."""
+    if kind == OPERATOR:
         return Permissions(publish=(">",), subscribe=(">",), allow_responses=True)
-    if kind == "router":
-        return Permissions(
-            publish=(s.worker_prefill(any_), s.worker_cancel(any_), *_registry(s, None)),
-            subscribe=(
-                s.router_tokens_in(any_),
-                s.telemetry_all(),
-                s.events(any_),
-                inbox,
-            ),
+    if kind not in (ROUTER, CONTROLLER, WORKER):
+        raise ValueError(
+            f"unknown NATS user kind {kind!r} (one of router, controller, worker, operator)"
         )
-    if kind == "controller":
-        return Permissions(
-            publish=(s.worker_switch(any_), s.controller_decisions(), *_registry(s, None)),
-            subscribe=(
-                s.telemetry_all(),
-                s.events(any_),
-                s.controller_status(),
-                s.controller_policy(),
-                inbox,
-            ),
-            allow_responses=True,
-        )
-    own = check_id(worker_id, "worker id")
-    peer_verbs = ("prefill", "admit", "handoff", "cancel", "migrate")
+    if kind == WORKER and worker_id == WILDCARD:
+        raise ValueError("a worker user needs its own worker id: there is no kind-wide worker user")
+    own = check_id(worker_id, "worker id") if kind == WORKER else WILDCARD
+    publish: list[str] = []
+    subscribe: list[str] = []
+    requests = answers = False
+    for flow in FLOWS:
+        for who, scope in flow.publish:
+            if who == kind:
+                publish += flow.subjects(subjects, _scoped(scope, own))
+                requests = requests or flow.reply
+        for who, scope in flow.subscribe:
+            if who == kind:
+                subscribe += flow.subjects(subjects, _scoped(scope, own))
+                answers = answers or flow.reply
+    if requests:  # replies to its requests (and JetStream's to its API calls) on its inbox
+        subscribe.append(inbox_prefix_for(user_name(kind, worker_id)) + ".>")
     return Permissions(
-        publish=(
-            *(getattr(s, f"worker_{verb}")(any_) for verb in peer_verbs),
-            s.router_tokens_from(any_, own),
-            s.telemetry(any_, own),
-            s.events(own),
-            *_registry(s, own),
-        ),
-        subscribe=(
-            *(getattr(s, f"worker_{verb}")(own) for verb in WORKER_VERBS),
-            s.telemetry_all(),
-            s.events(any_),
-            inbox,
-        ),
-        allow_responses=True,
+        publish=tuple(dict.fromkeys(publish)),
+        subscribe=tuple(dict.fromkeys(subscribe)),
+        allow_responses=answers,
     )
 
 
@@ -231,28 +207,35 @@ def can_authenticate(
         return buf.startswith(b"PONG")
 
 
-def password_env(kind: str) -> str:
-    """The environment variable holding ``kind``'s password in a deployment (compose
-    passes it from ``.env`` to nats-server and to the processes of that kind)."""
-    return f"FLUIDPD_NATS_{kind.upper()}_PASSWORD"
+def password_env(user: str) -> str:
+    """The environment variable holding ``user``'s password in a deployment (compose
+    passes it from ``.env`` to nats-server and to that process): ``router`` ->
+    ``FLUIDPD_NATS_ROUTER_PASSWORD``, ``worker-p0`` -> ``FLUIDPD_NATS_WORKER_P0_PASSWORD``."""
+    return f"FLUIDPD_NATS_{re.sub(r'[^A-Za-z0-9]', '_', user).upper()}_PASSWORD"
 
 
-def render_deploy_authorization(subjects: Subjects) -> str:
-    """nats-server config text: one user per kind, passwords read by nats-server from its
-    environment (``$FLUIDPD_NATS_<KIND>_PASSWORD``; it refuses to start when one is unset).
-    Workers share the kind-wide ``worker`` user here: deployments do not know worker ids in
-    advance. deploy/nats/auth.conf is this text (tests/test_deploy.py keeps them equal).
-    Pure."""
+def render_deploy_authorization(
+    subjects: Subjects, worker_ids: tuple[str, ...] = COMPOSE_WORKER_IDS
+) -> str:
+    """nats-server config text: the router, controller and operator users and one
+    ``worker-<id>`` user per worker id, passwords read by nats-server from its environment
+    (``password_env``; it refuses to start when one is unset). deploy/nats/auth.conf is
+    this text for ``COMPOSE_WORKER_IDS`` (tests/test_deploy.py keeps them equal). Pure.
+    Raises ValueError for a bad worker id."""
+    users = [(kind, permissions(kind, subjects)) for kind in KINDS[:-1]]
+    users += [(worker_user(w), permissions(WORKER, subjects, w)) for w in worker_ids]
+    users.append((OPERATOR, permissions(OPERATOR, subjects)))
+    ids = ",".join(worker_ids)
     lines = [
-        "# GENERATED by `python -m services.common.nats_auth` from shared/messages/subjects.py:",
-        "# do not edit (tests/test_deploy.py checks it). Least-privilege users of a deployment;",
-        "# docs/subjects.md says who may publish and subscribe to what.",
+        "# GENERATED from the flow table in shared/messages/subjects.py by",
+        f"#   python -m services.common.nats_auth --workers {ids} > deploy/nats/auth.conf",
+        "# do not edit (tests/test_deploy.py checks it). One least-privilege user per process",
+        "# kind and one per worker; docs/subjects.md says who may publish and subscribe to what.",
         "authorization {",
         "  users = [",
     ]
-    for kind in KINDS:
-        perms = permissions(kind, subjects)
-        lines.append(f"    {{user: {kind}, password: ${password_env(kind)}, permissions: {{")
+    for name, perms in users:
+        lines.append(f"    {{user: {name}, password: ${password_env(name)}, permissions: {{")
         lines.append(f"      publish: {{allow: {json.dumps(list(perms.publish))}}}")
         lines.append(f"      subscribe: {{allow: {json.dumps(list(perms.subscribe))}}}")
         if perms.allow_responses:
@@ -262,5 +245,22 @@ def render_deploy_authorization(subjects: Subjects) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # regenerate deploy/nats/auth.conf
-    print(render_deploy_authorization(Subjects()), end="")
+def main(argv: list[str] | None = None) -> None:
+    """Print deploy/nats/auth.conf for the given worker ids (default: compose's eight)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m services.common.nats_auth",
+        description="Print the nats-server authorization block of a deployment.",
+    )
+    parser.add_argument(
+        "--workers",
+        default=",".join(COMPOSE_WORKER_IDS),
+        help="comma-separated worker ids, one NATS user each (default: %(default)s)",
+    )
+    parser.add_argument("--subject-prefix", default="fluidpd")
+    args = parser.parse_args(argv)
+    ids = tuple(w.strip() for w in args.workers.split(",") if w.strip())
+    print(render_deploy_authorization(Subjects(args.subject_prefix), ids), end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ssl
 from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,25 @@ class BusConfig:
 
     @classmethod
     def from_url(cls, url: str, **overrides: object) -> BusConfig:
-        """Config for one or more comma-separated server URLs (``user:pass@`` allowed)."""
-        servers = tuple(u.strip() for u in url.split(",") if u.strip())
-        return cls(servers=servers, **overrides)  # type: ignore[arg-type]
+        """Config for one or more comma-separated server URLs. A ``user:pass@`` in a URL
+        becomes ``user``/``password`` (so the client also uses that user's reply inbox) and
+        is removed from ``servers``; credentials given in ``overrides`` win. Raises
+        ValueError as the constructor does."""
+        servers: list[str] = []
+        creds: tuple[str, str] | None = None
+        for raw in url.split(","):
+            server = raw.strip()
+            if not server:
+                continue
+            parts = urlsplit(server)
+            if parts.username is not None and parts.password is not None:
+                creds = creds or (unquote(parts.username), unquote(parts.password))
+                server = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+            servers.append(server)
+        has_creds = any(overrides.get(k) is not None for k in ("user", "token", "creds_file"))
+        if creds is not None and not has_creds and overrides.get("nkeys_seed_file") is None:
+            overrides = {"user": creds[0], "password": creds[1], **overrides}
+        return cls(servers=tuple(servers), **overrides)  # type: ignore[arg-type]
 
     def reply_inbox_prefix(self) -> str:
         """The inbox prefix this client uses (see the class docstring). Pure."""

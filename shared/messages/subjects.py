@@ -9,6 +9,7 @@ docs/subjects.md describes each subject (direction, payload, rate, CLI examples)
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared.messages.common import ROLES
@@ -18,7 +19,7 @@ _PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
 WILDCARD = "*"
 
 # verbs of worker.<id>.<verb>
-WORKER_VERBS = ("prefill", "admit", "handoff", "cancel", "switch", "migrate")
+WORKER_VERBS = ("prefill", "admit", "cancel", "switch", "migrate")
 
 
 def check_id(value: str, what: str = "id") -> str:
@@ -47,9 +48,6 @@ class Subjects:
 
     def worker_admit(self, worker_id: str) -> str:
         return self._worker(worker_id, "admit")
-
-    def worker_handoff(self, worker_id: str) -> str:
-        return self._worker(worker_id, "handoff")
 
     def worker_cancel(self, worker_id: str) -> str:
         return self._worker(worker_id, "cancel")
@@ -106,8 +104,9 @@ class Subjects:
         return f"{self.prefix}.telemetry.{role}.{check_id(worker_id, 'worker id')}"
 
     def telemetry_all(self) -> str:
-        """Wildcard over every worker's telemetry (both roles)."""
-        return f"{self.prefix}.telemetry.>"
+        """Wildcard over every worker's telemetry (both roles): ``telemetry.*.*``, the
+        subscription and the permission are the same pattern."""
+        return self.telemetry(WILDCARD, WILDCARD)
 
     def events(self, worker_id: str) -> str:
         return f"{self.prefix}.events.{check_id(worker_id, 'worker id')}"
@@ -142,6 +141,27 @@ class Subjects:
         (``*``: any record; for permissions)."""
         return f"$KV.{self.registry_bucket()}.{check_id(worker_id, 'worker id')}"
 
+    def registry_api(self) -> tuple[str, ...]:
+        """The JetStream API subjects a client publishes to open and watch the registry
+        bucket (stream info/create, consumers, direct get) and ``$JS.FC.>``, the watch's
+        flow control. Replies come on the client's inbox. Nothing here deletes or
+        reconfigures the bucket."""
+        stream = "KV_" + self.registry_bucket()
+        api = "$JS.API"
+        return (
+            f"{api}.INFO",
+            f"{api}.STREAM.INFO.{stream}",
+            f"{api}.STREAM.CREATE.{stream}",  # the first worker or watcher creates it
+            f"{api}.CONSUMER.CREATE.{stream}",
+            f"{api}.CONSUMER.CREATE.{stream}.>",
+            f"{api}.CONSUMER.DELETE.{stream}.>",
+            f"{api}.CONSUMER.INFO.{stream}.>",
+            f"{api}.STREAM.MSG.GET.{stream}",
+            f"{api}.DIRECT.GET.{stream}",
+            f"{api}.DIRECT.GET.{stream}.>",
+            "$JS.FC.>",
+        )
+
     # --- metrics labels -----------------------------------------------------------------
     def pattern(self, subject: str) -> str:
         """A bounded-cardinality label for ``subject``: ids replaced by ``*``.
@@ -159,10 +179,130 @@ class Subjects:
                 return "router.*.tokens"
             case ["telemetry", role, _] if role in ROLES or role == WILDCARD:
                 return f"telemetry.{role}.*"
-            case ["telemetry", ">"]:
-                return "telemetry.>"
             case ["events", _]:
                 return "events.*"
             case ["controller", ("status" | "policy" | "decisions" | "switch_lease") as what]:
                 return f"controller.{what}"
         return "other"
+
+
+# --- who may publish and subscribe: the one table -------------------------------------------
+# Service kinds with a NATS identity (services/common/nats_auth.py turns this table into
+# nats-server users). The operator (``fluidpd ctl``, the NATS CLI, benchmarks) may do
+# everything and is not listed per flow.
+ROUTER, CONTROLLER, WORKER, OPERATOR = "router", "controller", "worker", "operator"
+SERVICE_KINDS = (ROUTER, CONTROLLER, WORKER)
+# Which ids a kind may name in a subject's id position: any id, or (a per-worker user
+# ``worker-<id>``) only its own.
+ANY, OWN = "any", "own"
+
+
+@dataclass(frozen=True)
+class Flow:
+    """One message flow: its subjects as a function of a worker id (``*`` for ANY), the
+    kinds that publish and subscribe with their id scope, and whether it is request/reply
+    (subscribers may answer the requests they receive; publishers read replies on their
+    own inbox). No subscriber kind: only the operator listens, or (with ``reply``)
+    JetStream itself answers."""
+
+    name: str
+    subjects: Callable[[Subjects, str], tuple[str, ...]]
+    publish: tuple[tuple[str, str], ...] = ()
+    subscribe: tuple[tuple[str, str], ...] = ()
+    reply: bool = False
+
+
+FLOWS: tuple[Flow, ...] = (
+    # router -> prefill worker (a request), worker -> worker (a switch hands its queue over)
+    Flow(
+        "prefill",
+        lambda s, w: (s.worker_prefill(w),),
+        publish=((ROUTER, ANY), (WORKER, ANY)),
+        subscribe=((WORKER, OWN),),
+        reply=True,
+    ),
+    # prefill worker -> its decode worker: reserve KV blocks
+    Flow(
+        "admit",
+        lambda s, w: (s.worker_admit(w),),
+        publish=((WORKER, ANY),),
+        subscribe=((WORKER, OWN),),
+        reply=True,
+    ),
+    # router or a peer worker -> any worker: stop a request, free its blocks
+    Flow(
+        "cancel",
+        lambda s, w: (s.worker_cancel(w),),
+        publish=((ROUTER, ANY), (WORKER, ANY)),
+        subscribe=((WORKER, OWN),),
+    ),
+    # draining decode worker -> peer: take over a running decode
+    Flow(
+        "migrate",
+        lambda s, w: (s.worker_migrate(w),),
+        publish=((WORKER, ANY),),
+        subscribe=((WORKER, OWN),),
+        reply=True,
+    ),
+    # controller (FluidRole) -> worker: change role
+    Flow(
+        "switch",
+        lambda s, w: (s.worker_switch(w),),
+        publish=((CONTROLLER, ANY),),
+        subscribe=((WORKER, OWN),),
+        reply=True,
+    ),
+    # worker -> controller: one switch at a time, never empty a role
+    Flow(
+        "lease",
+        lambda s, w: (s.controller_switch_lease(),),
+        publish=((WORKER, ANY),),
+        subscribe=((CONTROLLER, ANY),),
+        reply=True,
+    ),
+    # worker -> router: token batches, under the publishing worker's id
+    Flow(
+        "tokens",
+        lambda s, w: (s.router_tokens_from(WILDCARD, w),),
+        publish=((WORKER, OWN),),
+        subscribe=((ROUTER, ANY),),
+    ),
+    # worker -> everyone: PPI/DPI, steal budgets, queue work (router door, controller,
+    # peers' Algorithm 1)
+    Flow(
+        "telemetry",
+        lambda s, w: (s.telemetry(WILDCARD, w),),
+        publish=((WORKER, OWN),),
+        subscribe=((ROUTER, ANY), (CONTROLLER, ANY), (WORKER, ANY)),
+    ),
+    # worker -> operators: role/state changes (bench shift, the NATS CLI)
+    Flow("events", lambda s, w: (s.events(w),), publish=((WORKER, OWN),)),
+    # controller -> operators: every FluidRole decision with its inputs
+    Flow("decisions", lambda s, w: (s.controller_decisions(),), publish=((CONTROLLER, ANY),)),
+    # operator -> controller (fluidpd ctl status / policy pause|resume)
+    Flow(
+        "status",
+        lambda s, w: (s.controller_status(),),
+        subscribe=((CONTROLLER, ANY),),
+        reply=True,
+    ),
+    Flow(
+        "policy",
+        lambda s, w: (s.controller_policy(),),
+        subscribe=((CONTROLLER, ANY),),
+        reply=True,
+    ),
+    # everyone reads the registry bucket; a worker writes its own record
+    Flow(
+        "registry",
+        lambda s, w: s.registry_api(),
+        publish=((ROUTER, ANY), (CONTROLLER, ANY), (WORKER, ANY)),
+        reply=True,
+    ),
+    Flow(
+        "registry-record",
+        lambda s, w: (s.registry_key(w),),
+        publish=((WORKER, OWN),),
+        reply=True,
+    ),
+)

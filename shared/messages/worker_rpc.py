@@ -1,4 +1,4 @@
-"""Requests addressed to one worker: prefill, admit, handoff, cancel, switch, migrate.
+"""Requests addressed to one worker: prefill, admit, cancel, switch, migrate.
 
 Size bound (see shared.messages.limits): the only unbounded-looking fields are token id
 lists; every other field has a ``max_len``. Token id lists are bounded by the model context
@@ -8,7 +8,6 @@ lists; every other field has a ``max_len``. Token id lists are bounded by the mo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from shared.messages.common import (
     MAX_ERROR_CHARS,
@@ -142,29 +141,6 @@ class AdmitReply(Message):
 
 
 @dataclass(frozen=True, kw_only=True)
-class HandoffNotice(Message):
-    """Prefill → decode after the KV transfer completed or failed (reply Ack/ErrorReply).
-
-    ``first_token_id`` is None for a split request (the decode side computes it after the
-    suffix). ``num_prompt_tokens_computed`` is how many prompt tokens' KV were sent.
-    """
-
-    TYPE_TAG = "handoff_notice"
-
-    request_id: str = field(metadata=_ID)
-    transfer_id: int
-    first_token_id: int | None
-    num_prompt_tokens_computed: int
-    status: Literal["ok", "failed"]
-    error: str | None = field(default=None, metadata={"max_len": MAX_ERROR_CHARS})
-
-    def check(self) -> None:
-        check_nonnegative(self.num_prompt_tokens_computed, "num_prompt_tokens_computed")
-        if not 0 <= self.transfer_id < 2**64:
-            raise MessageError("field transfer_id: must be a u64")
-
-
-@dataclass(frozen=True, kw_only=True)
 class CancelRequest(Message):
     """Router → any worker (publish): stop work on ``request_id`` and free its blocks.
 
@@ -214,7 +190,7 @@ class MigrateRequest(Message):
     """Decode worker → decode peer: take over a running request (reply AdmitReply).
 
     The peer reserves blocks for ``num_tokens`` tokens of KV and answers like an admit;
-    the KV then moves as in a prefill handoff (followed by a HandoffNotice).
+    the KV then moves as in a prefill hand-off (the envelope's atomic install completes it).
     ``generated_token_ids`` are the tokens generated so far (already streamed to the
     router); ``rng_offset`` is the number of sampler draws made so far (seeded sampling).
     """

@@ -2,7 +2,8 @@
 
 Starts the binary on a loopback port of the kernel's choice (nats-server binds it itself and
 logs it: no window in which another process can take a port picked here) with JetStream and
-a temp store dir, optional user/password auth and monitoring port. Readiness is
+a temp store dir, optional auth (one user/password, or ``users``: the least-privilege
+users of services/common/nats_auth.py, written into a config file) and monitoring port. Readiness is
 event-driven: we read the server's log from its stderr until it prints "Server is ready",
 then check with a PING/PONG on a fresh connection. ``restart()`` keeps the port and the
 store dir, so JetStream state (KV buckets) survives as it would in production.
@@ -15,8 +16,10 @@ import signal
 import subprocess
 import threading
 from collections import deque
+from collections.abc import Mapping
 from pathlib import Path
 
+from services.common.nats_auth import NatsUser, server_config, write_server_config
 from services.common.nats_server import RANDOM_PORT, NatsServerNotFoundError, listening_port
 from services.common.nats_server import find_nats_server_binary as _find_binary
 
@@ -51,6 +54,7 @@ class NatsServer:
         monitor: bool = False,
         jetstream: bool = True,
         ready_timeout_s: float = 20.0,
+        users: Mapping[str, NatsUser] | None = None,
     ) -> None:
         self.binary = find_nats_server_binary()
         self.store_dir = Path(store_dir)
@@ -59,6 +63,9 @@ class NatsServer:
         self.port = port or 0
         self.monitor = monitor
         self.monitor_port: int | None = None
+        self.users = dict(users or {})
+        if self.users:  # the server's own round trips (ping) log in as the operator
+            user, password = self.users["operator"].name, self.users["operator"].password
         self.user = user
         self.password = password
         self.jetstream = jetstream
@@ -79,6 +86,16 @@ class NatsServer:
             return self.url
         return f"nats://{self.user}:{self.password}@{self.host}:{self.port}"
 
+    def url_for(self, user: str) -> str:
+        """Client URL with ``user``'s credentials (``users`` mode; raises KeyError)."""
+        u = self.users[user]
+        return f"nats://{u.name}:{u.password}@{self.host}:{self.port}"
+
+    def credentials(self, user: str) -> tuple[str, str] | None:
+        """(user, password) of ``user`` in ``users`` mode, else None."""
+        u = self.users.get(user)
+        return (u.name, u.password) if u else None
+
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
@@ -89,6 +106,18 @@ class NatsServer:
     # --- lifecycle ----------------------------------------------------------------------
     def _command(self) -> list[str]:
         port = self.port or RANDOM_PORT
+        if self.users:
+            conf = self.store_dir.parent / f"{self.store_dir.name}-nats.conf"
+            doc = server_config(
+                {u.name: u for u in self.users.values()},
+                host=self.host,
+                port=port,
+                store_dir=self.store_dir,
+                name=f"test-{id(self)}",
+            )
+            write_server_config(conf, doc)
+            cmd = [str(self.binary), "-c", str(conf)]
+            return cmd + (["-m", str(self.monitor_port or RANDOM_PORT)] if self.monitor else [])
         cmd = [str(self.binary), "-a", self.host, "-p", str(port), "-n", f"test-{id(self)}"]
         if self.jetstream:
             cmd += ["-js", "-sd", str(self.store_dir)]

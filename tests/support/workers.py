@@ -16,8 +16,32 @@ from typing import Any
 
 from services.bench.bus_client import BenchBusClient
 from services.common.cluster_commands import router_url_of
+from services.common.nats_auth import worker_user
+from tests.support.nats_server import NatsServer
 
 REPO = Path(__file__).resolve().parents[2]
+# A bus to start processes on: a URL (no auth, or credentials in it), or a test server in
+# ``users`` mode, where each process gets its own least-privilege user as ``fluidpd up``
+# gives it (by environment, as services/common/cluster.py does).
+Nats = str | NatsServer
+
+
+def _connect(nats: Nats, user: str) -> tuple[str, dict[str, str]]:
+    """(URL for --nats, extra environment) for a process logging in as ``user``."""
+    if isinstance(nats, str):
+        return nats, {}
+    creds = nats.credentials(user)
+    if creds is None:
+        return nats.url_with_auth, {}
+    return nats.url, {"FLUIDPD_NATS_USER": creds[0], "FLUIDPD_NATS_PASSWORD": creds[1]}
+
+
+def client_url(nats: Nats) -> str:
+    """The URL a test's own bus client uses: the operator's where the server has users
+    (the test plays ``fluidpd ctl`` / the NATS CLI), else the URL itself."""
+    if isinstance(nats, str):
+        return nats
+    return nats.url_for("operator") if nats.users else nats.url_with_auth
 
 
 def worker_env(**extra: str) -> dict[str, str]:
@@ -33,8 +57,10 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 
 def start_worker(
-    role: str, worker_id: str, nats_url: str, *args: str, log_dir: Path | None = None, **env: str
+    role: str, worker_id: str, nats: Nats, *args: str, log_dir: Path | None = None, **env: str
 ) -> subprocess.Popen[bytes]:
+    nats_url, auth_env = _connect(nats, worker_user(worker_id))
+    env = {**auth_env, **env}
     cmd = [
         sys.executable,
         "-m",
@@ -68,29 +94,32 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 10.0) 
 
 
 @contextmanager
-def worker_pair(nats_url: str, log_dir: Path, *args: str) -> Iterator[str]:
-    """Prefill worker ``p0`` and decode worker ``d0`` with ``args``; yields the NATS url.
-    On exit both get SIGTERM and must exit 0 (AssertionError otherwise)."""
+def worker_pair(nats: Nats, log_dir: Path, *args: str) -> Iterator[str]:
+    """Prefill worker ``p0`` and decode worker ``d0`` with ``args``; yields the URL for the
+    test's own client (``client_url``). On exit both get SIGTERM and must exit 0
+    (AssertionError otherwise)."""
     procs = [
-        start_worker("prefill", "p0", nats_url, *args, log_dir=log_dir),
-        start_worker("decode", "d0", nats_url, *args, log_dir=log_dir),
+        start_worker("prefill", "p0", nats, *args, log_dir=log_dir),
+        start_worker("decode", "d0", nats, *args, log_dir=log_dir),
     ]
     try:
-        yield nats_url
+        yield client_url(nats)
     finally:
         assert stop_all(procs) == [0, 0], "workers must exit cleanly on SIGTERM"
 
 
 def start_router(
-    nats_url: str, model: str, *args: str, log_dir: Path, name: str = "router"
+    nats: Nats, model: str, *args: str, log_dir: Path, name: str = "router"
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """A router process for ``model``; returns (process, base URL) once it listens (on a
-    port it bound itself: ``--port 0``, the URL from its ready line)."""
+    """A router process for ``model`` (NATS user ``router`` on a server with users);
+    returns (process, base URL) once it listens (on a port it bound itself: ``--port 0``,
+    the URL from its ready line)."""
+    nats_url, auth_env = _connect(nats, "router")
     cmd = [sys.executable, "-m", "services.router", "--nats", nats_url, "--model", model]
     proc = subprocess.Popen(
         [*cmd, "--port", "0", *args],
         cwd=REPO,
-        env=worker_env(),
+        env=worker_env(**auth_env),
         stdout=subprocess.PIPE,
         stderr=open(log_dir / f"{name}.log", "wb"),  # noqa: SIM115
     )
