@@ -16,6 +16,10 @@
 #
 # A throwaway .env (every secret the compose file requires, via openssl rand -hex) and
 # free host ports are generated in a temp dir; nothing is written to the repository.
+# A worker refuses a switch that would leave its role with no active worker, and the CPU
+# file runs one prefill and one decode worker: the check adds a second prefill worker, p1
+# (an override in the temp dir extending p0, logging in as NATS user worker-p1), so that
+# p0 may become a decode worker. COMPOSE_CHECK_EXTRA_PREFILL=0 leaves it out.
 #
 # Environment (all optional; the defaults build on a host that reaches Docker Hub, PyPI and
 # the PyTorch index):
@@ -57,7 +61,25 @@ fail() {
   FAILED=1
 }
 
-compose() { docker compose -p "$PROJECT" -f "$COMPOSE_FILE" --env-file "$TMP/.env" "$@"; }
+compose() {
+  local files=(-f "$COMPOSE_FILE")
+  if [[ "${COMPOSE_CHECK_EXTRA_PREFILL:-1}" == 1 ]]; then files+=(-f "$TMP/p1.yml"); fi
+  docker compose -p "$PROJECT" "${files[@]}" --env-file "$TMP/.env" "$@"
+}
+
+# p1: p0's service under its own id, NATS user and metrics port (see the header).
+write_extra_prefill() {
+  cat >"$TMP/p1.yml" <<EOF
+services:
+  p1:
+    extends: {file: "$COMPOSE_FILE", service: p0}
+    command: ["python", "-m", "services.prefill_worker", "--id", "p1"]
+    environment:
+      FLUIDPD_METRICS_PORT: "9101"
+      FLUIDPD_NATS_USER: worker-p1
+      FLUIDPD_NATS_PASSWORD: \${FLUIDPD_NATS_WORKER_P1_PASSWORD:?}
+EOF
+}
 
 # Ports chosen by the kernel: other stacks (or developers) may hold 8000/4222 on this host.
 free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
@@ -70,7 +92,9 @@ write_env() {
   : >"$TMP/.env"
   for var in $(grep -oE '\$\{(FLUIDPD_CLUSTER_SECRET|FLUIDPD_NATS_[A-Z0-9_]+_PASSWORD):\?' "$COMPOSE_FILE" |
     sed -E 's/^\$\{([A-Z0-9_]+):\?$/\1/' | sort -u); do
-    echo "$var=$(openssl rand -hex 24)" >>"$TMP/.env"
+    # "p": nats-server parses $VAR in auth.conf as a config value, so a password that starts
+    # with a digit (e.g. 8e3f...) is read as a number and the server refuses to start.
+    echo "$var=p$(openssl rand -hex 24)" >>"$TMP/.env"
   done
   {
     echo "FLUIDPD_ROUTER_PUBLISH=$(free_port)"
@@ -284,6 +308,7 @@ main() {
   command -v docker >/dev/null || { fail build "no docker"; exit 1; }
   docker compose version >/dev/null || { fail build "no docker compose (v2)"; exit 1; }
   write_env
+  write_extra_prefill
   step_build || exit 1
   step_up || exit 1
   step_chat
