@@ -131,7 +131,7 @@ class Cluster:
         env.setdefault("FLUIDPD_CLUSTER_SECRET", self._secret)  # one secret for all
         user = self._users.get(nats_user or "")
         if user is not None:  # by environment: argv is visible to every local user
-            env.update(FLUIDPD_NATS_USER=user.name, FLUIDPD_NATS_PASSWORD=user.password)
+            env.update(user.env())
         child = ChildProcess(
             name,
             argv,
@@ -203,8 +203,7 @@ class Cluster:
         if user not in self._users:  # a replacement with a new id: tell nats-server
             self._users[user] = worker_user_for(Subjects(), worker_id)
             self._reload_nats()
-        creds = self._users[user]
-        return {"FLUIDPD_NATS_USER": creds.name, "FLUIDPD_NATS_PASSWORD": creds.password}
+        return self._users[user].env()
 
     def add_worker(
         self, worker_id: str, role: Role, extra_args: tuple[str, ...] = ()

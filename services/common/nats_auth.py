@@ -128,6 +128,11 @@ class NatsUser:
             "permissions": self.permissions.to_server(),
         }
 
+    def env(self) -> dict[str, str]:
+        """The environment a process logs in with (``FLUIDPD_NATS_USER`` /
+        ``FLUIDPD_NATS_PASSWORD``: by environment, since argv is visible to every user)."""
+        return {"FLUIDPD_NATS_USER": self.name, "FLUIDPD_NATS_PASSWORD": self.password}
+
 
 def new_password() -> str:
     """A random password (URL-safe: it may appear in a ``nats://user:pass@`` URL)."""
@@ -222,7 +227,7 @@ def render_deploy_authorization(
     (``password_env``; it refuses to start when one is unset). deploy/nats/auth.conf is
     this text for ``COMPOSE_WORKER_IDS`` (tests/test_deploy.py keeps them equal). Pure.
     Raises ValueError for a bad worker id."""
-    users = [(kind, permissions(kind, subjects)) for kind in KINDS[:-1]]
+    users = [(kind, permissions(kind, subjects)) for kind in (ROUTER, CONTROLLER)]
     users += [(worker_user(w), permissions(WORKER, subjects, w)) for w in worker_ids]
     users.append((OPERATOR, permissions(OPERATOR, subjects)))
     ids = ",".join(worker_ids)

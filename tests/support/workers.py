@@ -30,10 +30,9 @@ def _connect(nats: Nats, user: str) -> tuple[str, dict[str, str]]:
     """(URL for --nats, extra environment) for a process logging in as ``user``."""
     if isinstance(nats, str):
         return nats, {}
-    creds = nats.credentials(user)
-    if creds is None:
+    if user not in nats.users:
         return nats.url_with_auth, {}
-    return nats.url, {"FLUIDPD_NATS_USER": creds[0], "FLUIDPD_NATS_PASSWORD": creds[1]}
+    return nats.url, nats.users[user].env()
 
 
 def client_url(nats: Nats) -> str:
